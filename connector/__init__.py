@@ -1,0 +1,1 @@
+"""mooncake-lookout: the lookup client, transports, server and vLLM connector."""

@@ -1,0 +1,155 @@
+"""Lifecycle of one lookup, reported to observers so metrics and spans attach without touching the client.
+
+Which thread calls what matters to observers:
+
+* ``submitted``, ``deferred``, ``consumed``, ``discarded`` run on the caller's thread (vLLM's scheduler);
+* ``started`` and ``answered`` run on the transport's thread, just before and after the round trip.
+
+An observer must never block and never raise; :class:`ObserverSet` logs and swallows what one raises,
+so telemetry cannot break a lookup.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+class Outcome(str, enum.Enum):
+    """How a lookup ended; the values are the ``outcome`` label of ``requests_total``."""
+
+    HIT = "hit"
+    MISS = "miss"
+    ERROR = "error"
+    TIMEOUT = "timeout"
+    REJECTED = "rejected"
+    BREAKER_OPEN = "breaker_open"
+    DISCARDED = "discarded"
+
+
+@dataclass(eq=False)
+class LookupRecord:
+    """Everything known about one lookup; times are ``time.perf_counter()`` seconds, ``None`` until reached."""
+
+    req_id: str
+    num_tokens: int
+    num_hashes: int
+    transport: str
+    generation: int
+    t_submit: float
+    t_start: float | None = None
+    t_answer: float | None = None
+    t_consume: float | None = None
+    outcome: Outcome | None = None
+    hit_tokens: int = 0
+    deferrals: int = 0
+    error: str | None = None
+    # Observers keep their own per-lookup state here (a span, say), keyed by their own name.
+    scratch: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def queue_seconds(self) -> float | None:
+        """Time from submit until the transport took the lookup."""
+        return None if self.t_start is None else self.t_start - self.t_submit
+
+    @property
+    def rpc_seconds(self) -> float | None:
+        """Round trip to the lookup server."""
+        if self.t_start is None or self.t_answer is None:
+            return None
+        return self.t_answer - self.t_start
+
+    @property
+    def total_seconds(self) -> float | None:
+        """From submit until the caller used the answer."""
+        return None if self.t_consume is None else self.t_consume - self.t_submit
+
+
+class LookupObserver(Protocol):
+    """Receives lookup lifecycle events; every method is optional in spirit, so subclass :class:`NullObserver`."""
+
+    def submitted(self, rec: LookupRecord) -> None: ...
+    def started(self, rec: LookupRecord) -> None: ...
+    def answered(self, rec: LookupRecord) -> None: ...
+    def deferred(self, rec: LookupRecord) -> None: ...
+    def consumed(self, rec: LookupRecord) -> None: ...
+    def discarded(self, rec: LookupRecord) -> None: ...
+    def breaker_changed(self, is_open: bool) -> None: ...
+    def scheduler_call(self, mode: str, seconds: float) -> None: ...
+
+
+class NullObserver:
+    """Does nothing; subclass it and override the events you need."""
+
+    def submitted(self, rec: LookupRecord) -> None:
+        """A lookup was created (or answered at once: rejected, breaker open)."""
+
+    def started(self, rec: LookupRecord) -> None:
+        """The transport took the lookup off its queue (transport thread)."""
+
+    def answered(self, rec: LookupRecord) -> None:
+        """The round trip ended, with an outcome (transport thread)."""
+
+    def deferred(self, rec: LookupRecord) -> None:
+        """The caller asked and got ``None``: it will retry on a later step."""
+
+    def consumed(self, rec: LookupRecord) -> None:
+        """The caller received the answer; the lookup is no longer pending."""
+
+    def discarded(self, rec: LookupRecord) -> None:
+        """The lookup was dropped before its answer was used (finish, abort, preemption, reset, re-query)."""
+
+    def breaker_changed(self, is_open: bool) -> None:
+        """The circuit breaker opened or closed."""
+
+    def scheduler_call(self, mode: str, seconds: float) -> None:
+        """Time one scheduler call spent inside the lookup path (``mode``: sync, async, budget)."""
+
+
+class ObserverSet(NullObserver):
+    """Fans events out to several observers; one that raises is logged and skipped, never propagated."""
+
+    def __init__(self, observers: Sequence[LookupObserver] = ()) -> None:
+        self.observers: list[LookupObserver] = list(observers)
+
+    def add(self, observer: LookupObserver) -> None:
+        """Attach one more observer."""
+        self.observers.append(observer)
+
+    def _emit(self, name: str, *args: Any) -> None:
+        for obs in self.observers:
+            try:
+                getattr(obs, name)(*args)
+            except Exception:  # telemetry must never break a lookup
+                logger.exception("lookup observer %r failed in %s", obs, name)
+
+    def submitted(self, rec: LookupRecord) -> None:
+        self._emit("submitted", rec)
+
+    def started(self, rec: LookupRecord) -> None:
+        self._emit("started", rec)
+
+    def answered(self, rec: LookupRecord) -> None:
+        self._emit("answered", rec)
+
+    def deferred(self, rec: LookupRecord) -> None:
+        self._emit("deferred", rec)
+
+    def consumed(self, rec: LookupRecord) -> None:
+        self._emit("consumed", rec)
+
+    def discarded(self, rec: LookupRecord) -> None:
+        self._emit("discarded", rec)
+
+    def breaker_changed(self, is_open: bool) -> None:
+        self._emit("breaker_changed", is_open)
+
+    def scheduler_call(self, mode: str, seconds: float) -> None:
+        self._emit("scheduler_call", mode, seconds)
+
+
+__all__ = ["LookupObserver", "LookupRecord", "NullObserver", "ObserverSet", "Outcome"]

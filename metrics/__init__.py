@@ -1,0 +1,1 @@
+"""mooncake-lookout: the metric catalogue and its sinks."""

@@ -1,0 +1,103 @@
+"""The metric catalogue: every metric name, help text, label and bucket of mooncake-lookout.
+
+Nothing else in the code base spells a metric name. Sinks, dashboards, alerts, docs and tests read
+them from here (or are checked against this module by tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = "vllm:mooncake_lookup_"
+
+# Seconds histograms span 10 us to 10 s (DESIGN): 1-2.5-5 per decade.
+SECONDS_BUCKETS: tuple[float, ...] = (
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
+    1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)
+STEPS_BUCKETS: tuple[float, ...] = (0, 1, 2, 3, 5, 10, 20, 50, 100, 1000)
+BATCH_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
+
+OUTCOMES: tuple[str, ...] = ("hit", "miss", "error", "timeout", "rejected", "breaker_open", "discarded")
+MODES: tuple[str, ...] = ("sync", "async", "budget")
+SERVER_STATUSES: tuple[str, ...] = ("ok", "error", "bad_request")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric family. ``name`` is the full Prometheus name (counters without ``_total``, as prometheus_client wants)."""
+
+    name: str
+    kind: str  # counter, gauge, histogram
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+    side: str = "client"  # client: the scheduler's lookup client; server: the lookup server
+
+    @property
+    def key(self) -> str:
+        """The short name without the prefix (``requests``), used as a Python identifier by sinks."""
+        return self.name.removeprefix(PREFIX)
+
+    @property
+    def sample_names(self) -> tuple[str, ...]:
+        """The series names Prometheus stores for this family (what queries use)."""
+        if self.kind == "counter":
+            return (self.name + "_total",)
+        if self.kind == "histogram":
+            return tuple(self.name + s for s in ("_bucket", "_sum", "_count"))
+        return (self.name,)
+
+
+def _m(key: str, kind: str, help: str, labels: tuple[str, ...] = (), buckets: tuple[float, ...] = (),
+       side: str = "client") -> MetricSpec:
+    return MetricSpec(PREFIX + key, kind, help, labels, buckets, side)
+
+
+REQUESTS = _m("requests", "counter", "Lookups by how they ended.", ("outcome",))
+QUERIED_TOKENS = _m("queried_tokens", "counter", "Prompt tokens asked about.")
+HIT_TOKENS = _m("hit_tokens", "counter", "Prompt tokens found in the store.")
+PENDING = _m("pending", "gauge", "Lookups submitted and not yet consumed or discarded.")
+DEFERRALS = _m("deferrals", "counter", "Times the scheduler got None and retried on a later step.")
+DEFERRED_STEPS = _m("deferred_steps", "histogram",
+                    "Per lookup: scheduler steps deferred before its answer was used.", (), STEPS_BUCKETS)
+QUEUE_SECONDS = _m("queue_seconds", "histogram", "Time a lookup waited for the transport.", (), SECONDS_BUCKETS)
+RPC_SECONDS = _m("rpc_seconds", "histogram", "Round trip of one lookup to the lookup server.", (), SECONDS_BUCKETS)
+SECONDS = _m("seconds", "histogram", "From submit to the answer being used.", (), SECONDS_BUCKETS)
+SCHEDULER_BLOCKED_SECONDS = _m("scheduler_blocked_seconds", "histogram",
+                               "Time one scheduler call spent inside the lookup path.", ("mode",), SECONDS_BUCKETS)
+BREAKER_OPEN = _m("breaker_open", "gauge", "1 while the circuit breaker is open.")
+LATE_REPLIES = _m("late_replies", "counter", "Replies dropped because their lookup had already ended or was unknown.")
+INFO = _m("info", "gauge", "Lookup configuration, value 1.", ("transport", "lookup_async", "mode",
+                                                              "lookup_timeout_ms", "lookup_max_pending"))
+
+SERVER_REQUESTS = _m("server_requests", "counter", "Frames the lookup server answered, by status.", ("status",),
+                     side="server")
+SERVER_QUEUE_DEPTH = _m("server_queue_depth", "gauge", "Lookups received and not yet answered by the server.",
+                        side="server")
+SERVER_INFLIGHT = _m("server_inflight", "gauge", "Store calls the server is running right now.", side="server")
+SERVER_STORE_SECONDS = _m("server_store_seconds", "histogram", "Latency of one store call (batch_is_exist).",
+                          (), SECONDS_BUCKETS, side="server")
+SERVER_BATCH_SIZE = _m("server_batch_size", "histogram", "Lookups coalesced into one store call.", (),
+                       BATCH_BUCKETS, side="server")
+SERVER_STORE_ERRORS = _m("server_store_errors", "counter", "Store calls that failed or returned error codes.",
+                         side="server")
+
+CATALOGUE: tuple[MetricSpec, ...] = (
+    REQUESTS, QUERIED_TOKENS, HIT_TOKENS, PENDING, DEFERRALS, DEFERRED_STEPS, QUEUE_SECONDS, RPC_SECONDS,
+    SECONDS, SCHEDULER_BLOCKED_SECONDS, BREAKER_OPEN, LATE_REPLIES, INFO,
+    SERVER_REQUESTS, SERVER_QUEUE_DEPTH, SERVER_INFLIGHT, SERVER_STORE_SECONDS, SERVER_BATCH_SIZE,
+    SERVER_STORE_ERRORS,
+)
+BY_NAME: dict[str, MetricSpec] = {m.name: m for m in CATALOGUE}
+
+
+def all_series_names() -> set[str]:
+    """Every series name a Prometheus query may use for our metrics."""
+    return {s for m in CATALOGUE for s in m.sample_names}
+
+
+__all__ = [
+    "BY_NAME", "CATALOGUE", "MODES", "MetricSpec", "OUTCOMES", "PREFIX", "SECONDS_BUCKETS", "SERVER_STATUSES",
+    "all_series_names",
+]
