@@ -55,7 +55,7 @@ class Answer:
 class LookupJob:
     """One lookup on its way through a transport."""
 
-    __slots__ = ("rec", "num_tokens", "block_hashes", "deadline", "answer", "done", "_observer")
+    __slots__ = ("rec", "num_tokens", "block_hashes", "deadline", "answer", "done", "cancelled", "_observer")
 
     def __init__(self, rec: LookupRecord, block_hashes: Sequence[bytes], deadline: float,
                  observer: LookupObserver) -> None:
@@ -65,6 +65,9 @@ class LookupJob:
         self.deadline = deadline  # time.perf_counter() seconds
         self.answer: Answer | None = None
         self.done = threading.Event()
+        # Set by the caller when nobody wants the answer any more; a transport skips a cancelled job it has
+        # not sent yet (a plain attribute: written by one thread, read by another, no lock needed).
+        self.cancelled = False
         self._observer = observer
 
     def remaining(self, now: float | None = None) -> float:

@@ -1,0 +1,80 @@
+"""The scheduler side: vLLM's ``MooncakeStoreScheduler`` with our lookup client in place of its own.
+
+Upstream's logic (load specs, store jobs, block pinning) is inherited unchanged; this class only changes
+how a lookup is started, waited for, timed and forgotten:
+
+* a lookup starts when the request arrives (``on_new_request``) if ``lookup_on_admission``;
+* ``get_num_new_matched_tokens`` keeps vLLM's ``(None, False)`` = "ask again later" contract, waits up
+  to ``lookup_wait_us`` for an answer in async mode, and is timed (``scheduler_call`` events);
+* an answer is kept until the request is allocated, so a failed allocation costs no second round trip;
+* lookups of finished, aborted and preempted requests are discarded.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.scheduler import MooncakeStoreScheduler
+
+from mooncake_lookout.connector.addresses import lookup_address
+from mooncake_lookout.connector.client import LookupClient
+from mooncake_lookout.connector.config import LookupConfig
+from mooncake_lookout.connector.events import LookupObserver
+from mooncake_lookout.connector.transports import make_transport
+
+
+class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
+    """Upstream's scheduler-side connector logic over a deadline-bound, observable lookup client."""
+
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, *, observer: LookupObserver | None = None) -> None:
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        config = LookupConfig.from_extra_config(extra)  # fail on a bad key before anything starts
+        super().__init__(vllm_config, kv_cache_config)
+        # Upstream built its own LookupKeyClient; ours replaces it (it never sent anything).
+        self.client.close()
+        self.lookup_config = config
+        self.lookup_async = config.lookup_async
+        self.client = LookupClient(config, make_transport(config, lookup_address(vllm_config, config)),
+                                   observer=observer)
+        self.client.hit_block_size = self._block_size
+        self.observers = self.client.observers
+
+    def _lookup_align(self) -> int:
+        return self._hash_block_size if self.enable_partial_hash_hits else self._block_size
+
+    def on_new_request(self, request: Any) -> None:
+        """Start the lookup at admission, so its answer is usually ready by the first scheduling attempt."""
+        if (self.lookup_config.lookup_on_admission and self.enable_lookup
+                and request.num_tokens >= self._lookup_align()):
+            self.client.start(request.request_id, request.num_tokens, request.block_hashes)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Upstream's answer (``(None, False)`` while pending), timed as time spent blocking the scheduler."""
+        t0 = time.perf_counter()
+        try:
+            return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        finally:
+            self.observers.scheduler_call(self.lookup_config.mode, time.perf_counter() - t0)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """The answer has been used for an allocation: it need not be kept any longer."""
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        self.client.discard(request.request_id)
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        """Forget lookups of requests preempted this step; their prompt grew, so a fresh lookup is due."""
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            self.client.discard(req_id)
+        return super().build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Any) -> None:
+        """A finished or aborted request: drop its lookup, sent or not."""
+        self.client.discard(request.request_id)
+
+    def close(self) -> None:
+        """Stop the lookup client and its transport."""
+        self.client.close()
+
+
+__all__ = ["LookoutMooncakeStoreScheduler"]

@@ -1,0 +1,143 @@
+"""``mooncake-lookout serve``: the lookup server as a standalone process over a real Mooncake store.
+
+Why: demo, bench, tests and deployments without a vLLM worker need the same server the worker runs
+in-process. It listens on a private IPC socket unless told otherwise (TCP binds loopback by default),
+prints ``listening on <address>`` once it serves, exposes ``/metrics`` when ``--metrics-port`` is given,
+and stops cleanly on SIGTERM / SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import sys
+import threading
+from typing import Any, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from mooncake_lookout.connector.server import ServerObserver
+from mooncake_lookout.metrics import catalogue
+
+logger = logging.getLogger(__name__)
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``serve`` subcommand to an ``argparse`` subparsers object; returns its parser."""
+    p = subparsers.add_parser("serve", help="run a standalone lookup server over a Mooncake store",
+                              description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--master", metavar="HOST:PORT", help="address of a running Mooncake master")
+    src.add_argument("--embedded-master", action="store_true",
+                     help="start a Mooncake master on 127.0.0.1 for this server (demo, tests)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--address", metavar="ENDPOINT",
+                       help="ipc://PATH or tcp://HOST:PORT to listen on (default: a private IPC directory)")
+    where.add_argument("--tcp-port", type=int, metavar="PORT", help="listen on tcp://127.0.0.1:PORT (0: any free port)")
+    p.add_argument("--workers", type=int, default=2, help="store calls that may run at once (default 2)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block hash (default 16)")
+    p.add_argument("--namespace", default="lookout", help="key namespace in the store (default lookout)")
+    p.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus /metrics on this port")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address for /metrics (default 127.0.0.1)")
+    p.add_argument("--log-level", default="INFO", help="Python log level (default INFO)")
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def _listen_address(args: argparse.Namespace) -> str | None:
+    if args.address:
+        return args.address
+    if args.tcp_port is not None:
+        return f"tcp://127.0.0.1:{args.tcp_port}"
+    return None
+
+
+class PrometheusServerObserver(ServerObserver):
+    """Maps the server's hooks onto the catalogue's ``server_*`` metrics in ``registry``."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        c = catalogue
+        self.requests = Counter(c.SERVER_REQUESTS.name, c.SERVER_REQUESTS.help, c.SERVER_REQUESTS.labels,
+                                registry=registry)
+        for status in c.SERVER_STATUSES:
+            self.requests.labels(status)
+        self.depth = Gauge(c.SERVER_QUEUE_DEPTH.name, c.SERVER_QUEUE_DEPTH.help, registry=registry)
+        self.calls = Gauge(c.SERVER_INFLIGHT.name, c.SERVER_INFLIGHT.help, registry=registry)
+        self.store_seconds = Histogram(c.SERVER_STORE_SECONDS.name, c.SERVER_STORE_SECONDS.help,
+                                       buckets=c.SERVER_STORE_SECONDS.buckets, registry=registry)
+        self.batch = Histogram(c.SERVER_BATCH_SIZE.name, c.SERVER_BATCH_SIZE.help,
+                               buckets=c.SERVER_BATCH_SIZE.buckets, registry=registry)
+        self.errors = Counter(c.SERVER_STORE_ERRORS.name, c.SERVER_STORE_ERRORS.help, registry=registry)
+
+    def queue_depth(self, depth: int) -> None:
+        self.depth.set(depth)
+
+    def inflight(self, calls: int) -> None:
+        self.calls.set(calls)
+
+    def store_call(self, batch_size: int, seconds: float, failed: bool) -> None:
+        self.store_seconds.observe(seconds)
+        self.batch.observe(batch_size)
+        if failed:
+            self.errors.inc()
+
+    def answered(self, status: str) -> None:
+        self.requests.labels(status).inc()
+
+
+def _server_observers(args: argparse.Namespace) -> list[ServerObserver]:
+    """The Prometheus observer and its HTTP endpoint when ``--metrics-port`` is set."""
+    if args.metrics_port is None:
+        return []
+    registry = CollectorRegistry()
+    observer = PrometheusServerObserver(registry)
+    httpd, _ = start_http_server(args.metrics_port, addr=args.metrics_host, registry=registry)
+    print(f"metrics on http://{args.metrics_host}:{httpd.server_port}/metrics", flush=True)
+    return [observer]
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Run the server until SIGTERM / SIGINT; returns the process exit code."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from mooncake_lookout.connector.mooncake_master import EmbeddedMaster, MasterError, open_store
+    from mooncake_lookout.connector.prefix_index import PrefixIndex
+    from mooncake_lookout.connector.server import LookupServer
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    with contextlib.ExitStack() as stack:
+        try:
+            if args.embedded_master:
+                master_address = stack.enter_context(EmbeddedMaster()).rpc_address
+                logger.info("embedded Mooncake master on %s", master_address)
+            else:
+                master_address = args.master
+            store = open_store(master_address)
+        except MasterError as e:
+            print(f"mooncake-lookout serve: {e}", file=sys.stderr)
+            return 2
+        stack.callback(store.close)
+        backend = PrefixIndex(store, args.block_size, args.namespace)
+        server = stack.enter_context(LookupServer(backend, _listen_address(args), workers=args.workers,
+                                                  observers=_server_observers(args)))
+        print(f"listening on {server.address}", flush=True)
+        stop.wait()
+        logger.info("stopping the lookup server")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m mooncake_lookout.connector.serve_cli ...``: the ``serve`` subcommand on its own."""
+    parser = argparse.ArgumentParser(prog="mooncake-lookout")
+    add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+__all__ = ["PrometheusServerObserver", "add_serve_parser", "main", "run_serve"]
+
+if __name__ == "__main__":
+    sys.exit(main())

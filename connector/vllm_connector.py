@@ -1,0 +1,88 @@
+"""``LookoutMooncakeStoreConnector``: vLLM's Mooncake store connector with the lookout lookup path.
+
+Enable it in ``vllm serve`` either by module path::
+
+    --kv-transfer-config '{"kv_connector": "LookoutMooncakeStoreConnector",
+        "kv_connector_module_path": "mooncake_lookout.connector.vllm_connector",
+        "kv_role": "kv_both", "kv_connector_extra_config": {"lookup_async": true, ...}}'
+
+or, with this package installed, by name alone (its ``vllm.general_plugins`` entry point registers it).
+
+The scheduler role runs :class:`LookoutMooncakeStoreScheduler`; the worker role keeps upstream's data
+path untouched and, with ``lookup_transport: pipelined``, also serves our lookup server on rank 0.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import MooncakeStoreConnector
+
+from mooncake_lookout.connector.config import LookupConfig
+from mooncake_lookout.connector.scheduler_adapter import LookoutMooncakeStoreScheduler
+
+logger = logging.getLogger(__name__)
+
+from mooncake_lookout.connector.plugin import CONNECTOR_NAME
+
+
+class LookoutMooncakeStoreConnector(MooncakeStoreConnector):
+    """Upstream's connector; the scheduler's lookups go through mooncake-lookout's client."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        self.lookup_config = LookupConfig.from_extra_config(extra)  # bad keys fail here, in both roles
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._lookup_server = None
+        if role == KVConnectorRole.SCHEDULER:
+            # super() built upstream's scheduler; replace it (it held only an idle client).
+            upstream = self.connector_scheduler
+            if upstream is not None:
+                upstream.client.close()
+            self.connector_scheduler = LookoutMooncakeStoreScheduler(vllm_config, kv_cache_config)
+        elif self.lookup_config.lookup_transport == "pipelined":
+            self._lookup_server = _serve_pipelined(vllm_config, self.lookup_config, self.connector_worker)
+
+    @property
+    def lookup_client(self) -> Any:
+        """The scheduler's :class:`LookupClient` (scheduler role only)."""
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler.client
+
+    def on_new_request(self, request: Any) -> None:
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.on_new_request(request)
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.request_finished(request)
+        return super().request_finished_all_groups(request, block_ids)
+
+    def shutdown(self) -> None:
+        scheduler = getattr(self, "connector_scheduler", None)
+        if isinstance(scheduler, LookoutMooncakeStoreScheduler):
+            scheduler.close()
+        server = getattr(self, "_lookup_server", None)
+        if server is not None:
+            server.close()
+            self._lookup_server = None
+        super().shutdown()
+
+
+def _serve_pipelined(vllm_config: Any, config: LookupConfig, worker: Any) -> Any:
+    """On the rank that runs upstream's lookup server, also run ours (pipelined) over the worker's lookup."""
+    if worker is None or getattr(worker, "lookup_server", None) is None:
+        return None
+    from mooncake_lookout.connector.addresses import pipelined_lookup_address
+    from mooncake_lookout.connector.server import LookupServer, WorkerBackend
+
+    server = LookupServer(WorkerBackend(worker), pipelined_lookup_address(vllm_config, config))
+    server.start()
+    logger.info("mooncake-lookout pipelined lookup server on %s", server.address)
+    return server
+
+
+__all__ = ["CONNECTOR_NAME", "LookoutMooncakeStoreConnector"]
