@@ -152,4 +152,37 @@ class ObserverSet(NullObserver):
         self._emit("scheduler_call", mode, seconds)
 
 
-__all__ = ["LookupObserver", "LookupRecord", "NullObserver", "ObserverSet", "Outcome"]
+class OutcomeCounter(NullObserver):
+    """Counts how lookups ended and keeps the ended records: for ``demo``, ``bench`` and tests."""
+
+    def __init__(self, keep: int = 100_000) -> None:
+        self.outcomes: dict[Outcome, int] = {o: 0 for o in Outcome}
+        self.deferrals = 0
+        self.records: list[LookupRecord] = []
+        self.breaker_changes: list[bool] = []
+        self._keep = keep
+
+    def _ended(self, rec: LookupRecord) -> None:
+        assert rec.outcome is not None
+        self.outcomes[rec.outcome] += 1
+        if len(self.records) < self._keep:
+            self.records.append(rec)
+
+    def consumed(self, rec: LookupRecord) -> None:
+        self._ended(rec)
+
+    def discarded(self, rec: LookupRecord) -> None:
+        self._ended(rec)
+
+    def deferred(self, rec: LookupRecord) -> None:
+        self.deferrals += 1
+
+    def breaker_changed(self, is_open: bool) -> None:
+        self.breaker_changes.append(is_open)
+
+    def count(self, *outcomes: Outcome) -> int:
+        """Lookups that ended with any of ``outcomes``."""
+        return sum(self.outcomes[o] for o in outcomes)
+
+
+__all__ = ["LookupObserver", "LookupRecord", "NullObserver", "ObserverSet", "Outcome", "OutcomeCounter"]

@@ -33,7 +33,7 @@ import urllib.request
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 BINARY_NAME = "mooncake_master"
 INSTALL_HINT = (
@@ -88,6 +88,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def _death_signal_setter() -> Callable[[], None] | None:
+    """A function for ``preexec_fn`` that asks Linux to SIGKILL the child when its parent dies.
+
+    ``prctl`` is looked up here, in the parent: the child between fork and exec must not import.
+    None where there is no ``prctl`` (not Linux); the atexit hook still covers normal exits.
+    """
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig, sigkill = 1, int(signal.SIGKILL)
+    return lambda: prctl(pr_set_pdeathsig, sigkill, 0, 0, 0)
+
+
 def _process_state(pid: int) -> str | None:
     """The one-letter state from ``/proc/PID/stat`` (``T`` = stopped), or None if gone."""
     try:
@@ -113,12 +129,17 @@ class EmbeddedMaster:
     Use as a context manager. ``kv_lease_ttl_ms`` is the master's ``--default_kv_lease_ttl``: an
     existence check leases a key for that long, and non-forced removes skip leased keys, so tests keep
     it short. ``start_timeout_s`` bounds the wait for ``/health``.
+
+    ``die_with_parent`` (Linux) has the kernel kill the master when the process that started it dies,
+    even by SIGKILL, so no master outlives a killed test or CLI. The kernel ties this to the *thread*
+    that started it: start the master from a thread that lives as long as the master should.
     """
 
     def __init__(self, *, binary: str | os.PathLike[str] | None = None, kv_lease_ttl_ms: int = 500,
                  start_timeout_s: float = 15.0, extra_args: tuple[str, ...] = (),
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", die_with_parent: bool = True) -> None:
         self.binary = find_master_binary(binary)
+        self.die_with_parent = die_with_parent
         self.host = host
         self.kv_lease_ttl_ms = kv_lease_ttl_ms
         self.start_timeout_s = start_timeout_s
@@ -193,7 +214,8 @@ class EmbeddedMaster:
         t0 = time.perf_counter()
         try:
             self._proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+                                          stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                                          preexec_fn=_death_signal_setter() if self.die_with_parent else None)
         except OSError as exc:
             raise MasterError(f"cannot run {self.binary}: {exc}; {INSTALL_HINT}") from exc
         self._log_thread = threading.Thread(target=self._pump_log, args=(self._proc,),

@@ -106,6 +106,7 @@ class Reset(msgspec.Struct, frozen=True):
     request_id: int
 
 
+_MISS_ANSWER = Answer(Outcome.MISS)
 _ENCODER = msgspec.msgpack.Encoder()
 _HEADER = msgspec.msgpack.Decoder(Header)
 _BODY = msgspec.msgpack.Decoder(LookupBody)
@@ -115,7 +116,7 @@ _REPLY = msgspec.msgpack.Decoder(Reply)
 # -- client side ---------------------------------------------------------------------------------------------
 def encode_lookup(request_id: int, num_tokens: int, hashes: Sequence[bytes]) -> list[bytes]:
     """The two frames of a lookup; raises :class:`ProtocolError` if it would break a limit."""
-    body = LookupBody(num_tokens, [bytes(h) for h in hashes])
+    body = LookupBody(num_tokens, list(hashes))  # bytes, bytearray or memoryview items all encode as bin
     check_lookup(request_id, body)
     frames = [_ENCODER.encode(Header(VERSION, request_id, OP_LOOKUP)), _ENCODER.encode(body)]
     if len(frames[1]) > MAX_BODY_BYTES:
@@ -143,6 +144,8 @@ def decode_reply(frame: bytes) -> Reply:
 
 def answer_of(reply: Reply) -> Answer:
     """A lookup reply as the :class:`Answer` a job finishes with: errors stay errors, never misses."""
+    if reply.status == MISS and not reply.tails:
+        return _MISS_ANSWER
     if reply.status == OK or reply.status == MISS:
         tails = tuple(TailKeyBoundary(g, n) for g, n in reply.tails)
         return Answer.from_result(LookupResult(reply.hit_length, tails))
@@ -156,9 +159,12 @@ def check_lookup(request_id: int, body: LookupBody) -> None:
         raise ProtocolError(f"num_tokens {body.num_tokens} out of range 0..{MAX_U32}", request_id)
     if len(body.hashes) > MAX_HASHES:
         raise ProtocolError(f"{len(body.hashes)} hashes exceed the limit of {MAX_HASHES}", request_id)
-    for h in body.hashes:
-        if not 0 < len(h) <= MAX_HASH_BYTES:
-            raise ProtocolError(f"a hash of {len(h)} bytes is outside 1..{MAX_HASH_BYTES}", request_id)
+    if body.hashes:
+        sizes = list(map(len, body.hashes))
+        shortest, longest = min(sizes), max(sizes)
+        if shortest < 1 or longest > MAX_HASH_BYTES:
+            bad = shortest if shortest < 1 else longest
+            raise ProtocolError(f"a hash of {bad} bytes is outside 1..{MAX_HASH_BYTES}", request_id)
 
 
 def decode_request(frames: Sequence[bytes]) -> Lookup | Reset:

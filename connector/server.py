@@ -20,10 +20,12 @@ thread sets a flag and wakes the IO thread, which closes its own socket.
 from __future__ import annotations
 
 import collections
+import errno
 import logging
 import os
 import queue
 import shutil
+import socket
 import stat
 import tempfile
 import threading
@@ -45,6 +47,7 @@ logger = logging.getLogger(__name__)
 # the protocol answers with an error (MAX_BODY_BYTES), so oversized frames still get their error reply.
 HARD_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _RECV_BURST = 1024  # messages read per loop turn before completions are looked at again
+_HWM = 100_000  # messages queued per peer and direction; past it ZMQ holds off reading (or drops replies)
 
 WIRE_PIPELINED = "pipelined"
 WIRE_UPSTREAM = "upstream"
@@ -144,7 +147,20 @@ def prepare_ipc_path(path: str) -> None:
     if os.path.lexists(path):
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
             raise FileExistsError(f"{path} exists and is not a socket; refusing to replace it")
+        if _someone_listens(path):
+            raise OSError(errno.EADDRINUSE, f"a server already listens on {path}")
         os.unlink(path)
+
+
+def _someone_listens(path: str) -> bool:
+    """True if a process accepts connections on the Unix socket ``path`` (a stale file refuses them)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(0.5)
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+        return True
 
 
 class LookupServer:
@@ -174,6 +190,7 @@ class LookupServer:
         self._pool: ThreadPoolExecutor | None = None
         self._thread: threading.Thread | None = None
         self._stop = False
+        self._drain_s = 0.0
         self._pending: collections.deque[_Request] = collections.deque()
         self._done: queue.SimpleQueue[tuple[list[_Request], list[Any], float]] = queue.SimpleQueue()
         self._running_calls = 0
@@ -205,8 +222,8 @@ class LookupServer:
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, HARD_MAX_MESSAGE_BYTES)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.SNDHWM, _HWM)
+        sock.setsockopt(zmq.RCVHWM, _HWM)
         try:
             sock.bind(address)
         except zmq.ZMQError as e:
@@ -227,18 +244,26 @@ class LookupServer:
         return self
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop serving: the IO thread answers what is queued with an error and closes its socket. Idempotent."""
+        """Stop serving; idempotent, from any thread.
+
+        The IO thread stops reading, answers the store calls already running (for up to ``timeout_s / 2``),
+        answers what is still queued with an error, and closes its socket.
+        """
         if self._thread is None or self._stop:
             return
+        self._drain_s = timeout_s / 2
         self._stop = True
         assert self._waker is not None and self._pool is not None
         self._waker.wake()
         self._thread.join(timeout_s)
         self._pool.shutdown(wait=False, cancel_futures=True)
         if not self._thread.is_alive():
-            self._waker.close()
             assert self._ctx is not None
             self._ctx.term()
+            if self._running_calls == 0:
+                self._waker.close()
+            else:  # a store call is still running and will wake us once: its descriptor must stay valid
+                logger.warning("lookup server closed with %d store calls still running", self._running_calls)
         if self._ipc_path is not None and os.path.lexists(self._ipc_path):
             os.unlink(self._ipc_path)
         self._remove_private_dir()
@@ -279,6 +304,13 @@ class LookupServer:
                 self._dispatch()
             except Exception:  # one bad frame or reply must not stop the server
                 logger.exception("lookup server loop failed")
+        # Closing: answer the store calls already running (bounded), then refuse what is still queued.
+        poller.unregister(sock)
+        deadline = time.perf_counter() + self._drain_s
+        while self._running_calls and time.perf_counter() < deadline:
+            if poller.poll(max(1, int((deadline - time.perf_counter()) * 1000))):
+                waker.clear()
+                self._reply_finished()
         for req in self._pending:
             self._reply_error(req, "lookup server shutting down")
         self._pending.clear()
@@ -308,8 +340,8 @@ class LookupServer:
         try:
             req = protocol.decode_request(payload)
         except protocol.ProtocolError as e:
-            self._send(envelope, protocol.encode_status(e.request_id, protocol.BAD_REQUEST, e.reason))
             self._emit("answered", "bad_request")
+            self._send(envelope, protocol.encode_status(e.request_id, protocol.BAD_REQUEST, e.reason))
             return
         if isinstance(req, protocol.Reset):
             self._pending.append(_Request(envelope, WIRE_PIPELINED, protocol.OP_RESET, req.request_id))
@@ -338,8 +370,8 @@ class LookupServer:
 
     def _refuse_upstream(self, envelope: list[bytes], reason: str) -> None:
         logger.warning("refusing a malformed upstream-format request: %s", reason)
-        self._send(envelope, upstream_wire.RESP_ERR)
         self._emit("answered", "bad_request")
+        self._send(envelope, upstream_wire.RESP_ERR)
 
     def _dispatch(self) -> None:
         """Start store calls while workers are free; a reset waits for the calls ahead of it and blocks those behind."""
@@ -390,11 +422,12 @@ class LookupServer:
             logger.warning("store call failed: %r", e)
             results = [e] * len(batch)
         self._done.put((batch, results, time.perf_counter() - t0))
-        waker = self._waker
-        if waker is not None:
-            waker.wake()
+        assert self._waker is not None
+        self._waker.wake()
 
     def _reply_finished(self) -> None:
+        """Answer the store calls that ended. Telemetry is recorded before each reply leaves, so a client
+        that has its answer also sees it counted."""
         while True:
             try:
                 batch, results, seconds = self._done.get_nowait()
@@ -402,45 +435,43 @@ class LookupServer:
                 return
             self._running_calls -= 1
             self._queued_in_calls -= len(batch)
+            failed = any(isinstance(r, Exception) or r is False for r in results)
+            self._emit("store_call", len(batch), seconds, failed)
+            self._emit("inflight", self._running_calls)
             if batch[0].op == protocol.OP_RESET:
                 self._reset_running = False
                 self._reply_reset(batch[0], results[0])
-                self._emit("store_call", 1, seconds, isinstance(results[0], Exception) or results[0] is False)
-            else:
-                failed = False
-                for req, result in zip(batch, results):
-                    if isinstance(result, Exception) or not hasattr(result, "hit_length"):
-                        failed = True
-                        self._reply_error(req, _reason(result))
-                    else:
-                        self._reply_result(req, result)
-                self._emit("store_call", len(batch), seconds, failed)
-            self._emit("inflight", self._running_calls)
+                continue
+            for req, result in zip(batch, results):
+                if isinstance(result, Exception) or not hasattr(result, "hit_length"):
+                    self._reply_error(req, _reason(result))
+                else:
+                    self._reply_result(req, result)
 
     def _reply_result(self, req: _Request, result: LookupResult) -> None:
+        self._emit("answered", "ok")
         if req.wire == WIRE_UPSTREAM:
             self._send(req.envelope, upstream_wire.encode_lookup_reply(result))
         else:
             self._send(req.envelope, protocol.encode_result(req.request_id, result))
-        self._emit("answered", "ok")
 
     def _reply_error(self, req: _Request, reason: str) -> None:
+        self._emit("answered", "error")
         if req.wire == WIRE_UPSTREAM:
             self._send(req.envelope, upstream_wire.RESP_ERR)
         else:
             self._send(req.envelope, protocol.encode_status(req.request_id, protocol.ERROR, reason))
-        self._emit("answered", "error")
 
     def _reply_reset(self, req: _Request, outcome: Any) -> None:
         if isinstance(outcome, Exception) or outcome is False:
             logger.error("store reset failed: %s", _reason(outcome))
             self._reply_error(req, _reason(outcome))
             return
+        self._emit("answered", "ok")
         if req.wire == WIRE_UPSTREAM:
             self._send(req.envelope, upstream_wire.RESP_OK)
         else:
             self._send(req.envelope, protocol.encode_status(req.request_id, protocol.OK))
-        self._emit("answered", "ok")
 
     def _send(self, envelope: list[bytes], payload: bytes) -> None:
         assert self._sock is not None

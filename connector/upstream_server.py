@@ -16,7 +16,8 @@ Upstream weaknesses this harness keeps visible rather than hides:
 * ``LookupKeyServer.close()`` closes the socket while its thread sits in ``recv()``.
   :meth:`UpstreamLookupServer.stop` instead clears the server's ``running`` flag, sends one empty
   lookup (answered without the store) so the loop wakes and exits, joins the thread, then closes
-  the socket and terminates the server's private ZMQ context.
+  the socket and terminates the server's private ZMQ context. A thread wedged in its backend is
+  left alone (its socket too) and ``stop`` returns False.
 
 The IPC path is ``ipc://{VLLM_RPC_BASE_PATH}/lookup_rpc_port_{port}_host_{hostname}_dp_rank{dp}``:
 :func:`private_rpc_base_path` points ``VLLM_RPC_BASE_PATH`` at a fresh 0700 folder, and
@@ -30,6 +31,8 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
+import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping
 
@@ -163,25 +166,36 @@ class UpstreamLookupServer:
             return True
         server.running = False
         if server.thread.is_alive():
-            self._wake(timeout_s)
+            self._wake(server.thread, timeout_s)
             server.thread.join(timeout_s)
-        ended = not server.thread.is_alive()
-        server.close()
-        if ended:
+        if not server.thread.is_alive():
+            server.close()
             server.ctx.term()
-        else:  # wedged in the backend: leave the daemon thread, as upstream's close() would
-            logger.warning("LookupKeyServer thread did not stop within %.1f s", timeout_s)
-        return ended
+            return True
+        # Wedged in the backend. A ZMQ socket must not be closed under a thread using it, so the
+        # socket and the daemon thread are left behind (logged); only the IPC path is removed.
+        logger.warning("LookupKeyServer thread did not stop within %.1f s; leaving it", timeout_s)
+        path = self.address.removeprefix("ipc://")
+        if os.path.exists(path):
+            os.unlink(path)
+        return False
 
-    def _wake(self, timeout_s: float) -> None:
-        """Send one empty lookup, so the server's blocking ``recv`` returns and its loop sees ``running``."""
+    def _wake(self, thread: threading.Thread, timeout_s: float) -> None:
+        """Send one empty lookup, so the server's blocking ``recv`` returns and its loop sees ``running``.
+
+        The thread may also leave without reading it (it was between two requests when ``running``
+        dropped), so the wait ends at the answer or at the thread's end, whichever comes first.
+        """
         ctx = zmq.Context()
         sock = ctx.socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
+        deadline = time.monotonic() + timeout_s
         try:
             sock.connect(self.address)
             sock.send_multipart([LOOKUP_MSG, (0).to_bytes(4, "big"), (0).to_bytes(2, "big"), b""])
-            sock.poll(int(timeout_s * 1000), zmq.POLLIN)  # the answer itself does not matter
+            while thread.is_alive() and time.monotonic() < deadline:
+                if sock.poll(10, zmq.POLLIN):  # the answer itself does not matter
+                    break
         finally:
             sock.close(linger=0)
             ctx.term()

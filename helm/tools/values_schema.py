@@ -1,0 +1,271 @@
+"""Build the chart's values.schema.json so that it cannot drift from values.yaml or connector/config.py.
+
+Three sources, each owning one thing:
+- this module: the shape of the values (types, limits, enums, which maps are free-form);
+- values.yaml: defaults and descriptions (the ``# --`` comment above each key);
+- ``mooncake_lookout.connector.config.KEYS``: the lookup keys, their types and meanings.
+
+Run ``python helm/tools/values_schema.py`` to rewrite the schema, ``--check`` to fail if it is stale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mooncake_lookout.connector.config import KEYS, TRANSPORTS
+
+CHART = Path(__file__).resolve().parents[1] / "mooncake-lookout"
+VALUES = CHART / "values.yaml"
+SCHEMA = CHART / "values.schema.json"
+
+# Numeric limits of the lookup keys, mirroring each Key's check (a test compares them value by value).
+LOOKUP_LIMITS: dict[str, dict[str, Any]] = {
+    "lookup_wait_us": {"minimum": 0, "maximum": 100_000},
+    "lookup_timeout_ms": {"exclusiveMinimum": 0, "maximum": 60_000},
+    "lookup_max_pending": {"minimum": 1, "maximum": 1_000_000},
+    "lookup_breaker_failures": {"minimum": 1, "maximum": 10_000},
+    "lookup_breaker_cooldown_s": {"exclusiveMinimum": 0, "maximum": 3600},
+    "lookup_transport": {"enum": list(TRANSPORTS)},
+    "lookup_server_address": {"pattern": "^((ipc|tcp)://.*)?$"},
+}
+JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}
+SIZE = {"type": "string", "pattern": "^[0-9]+(\\.[0-9]+)? ?([GMK]?B|[gmk]?b)?$"}
+DURATION = {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)?$"}
+PROM_DURATION = {"type": "string", "pattern": "^([0-9]+(ms|s|m|h))+$"}
+
+FREE_MAP = {"type": "object"}
+STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+LIST = {"type": "array"}
+STRINGS = {"type": "array", "items": {"type": "string"}}
+PULL_POLICY = {"type": "string", "enum": ["Always", "IfNotPresent", "Never"]}
+SERVICE_TYPE = {"type": "string", "enum": ["ClusterIP", "NodePort", "LoadBalancer"]}
+PORT = {"type": "integer", "minimum": 1, "maximum": 65535}
+DNS_LABEL = {"type": "string", "pattern": "^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$", "maxLength": 63}
+
+
+def obj(**props: dict[str, Any]) -> dict[str, Any]:
+    """A strict object: only the listed properties, all of them required."""
+    return {"type": "object", "additionalProperties": False, "required": sorted(props), "properties": props}
+
+
+def positive(maximum: int | None = None) -> dict[str, Any]:
+    """A positive integer, optionally bounded."""
+    schema: dict[str, Any] = {"type": "integer", "minimum": 1}
+    if maximum is not None:
+        schema["maximum"] = maximum
+    return schema
+
+
+def image() -> dict[str, Any]:
+    return obj(repository={"type": "string", "minLength": 1}, tag={"type": "string"}, pullPolicy=PULL_POLICY)
+
+
+def probe() -> dict[str, Any]:
+    return obj(periodSeconds=positive(3600), failureThreshold=positive(10_000))
+
+
+def lookup_schema() -> dict[str, Any]:
+    """The lookup keys: one property per ``KEYS`` entry, typed by its kind, limited as its check."""
+    props: dict[str, Any] = {}
+    for key in KEYS:
+        prop: dict[str, Any] = {"type": JSON_TYPES[key.kind]}
+        if key.kind in (int, float) or key.name in LOOKUP_LIMITS:
+            if key.name not in LOOKUP_LIMITS:
+                raise SystemExit(f"{key.name}: add its limits to LOOKUP_LIMITS in {__file__}")
+            prop.update(LOOKUP_LIMITS[key.name])
+        prop["description"] = re.sub(r"`([^`]*)`", r"\1", key.doc)
+        props[key.name] = prop
+    return obj(**props)
+
+
+def shape() -> dict[str, Any]:
+    """The shape of values.yaml (descriptions and defaults are filled in from values.yaml)."""
+    engine = obj(
+        replicas={"type": "integer", "minimum": 0},
+        image=image(),
+        model={"type": "string", "minLength": 1},
+        servedModelName={"type": "string"},
+        port=PORT,
+        extraArgs=STRINGS,
+        env=LIST,
+        resources=FREE_MAP,
+        shm=obj(enabled={"type": "boolean"}, sizeLimit={"type": "string", "pattern": "^[0-9]+(\\.[0-9]+)?([KMGT]i?)?$"}),
+        connector=obj(
+            name={"type": "string", "minLength": 1},
+            kvRole={"type": "string", "enum": ["kv_both", "kv_producer", "kv_consumer"]},
+            lookup=lookup_schema(),
+            extraConfig={
+                "type": "object",
+                "propertyNames": {"anyOf": [{"not": {"pattern": "^lookup_"}}, {"const": "lookup_rpc_port"}]},
+            },
+        ),
+        mooncake=obj(
+            metadataServer={"type": "string", "minLength": 1},
+            protocol={"type": "string", "enum": ["tcp", "rdma"]},
+            deviceName={"type": "string"},
+            globalSegmentSize=SIZE,
+            localBufferSize=SIZE,
+        ),
+        tracing=obj(
+            otlpEndpoint={"type": "string", "pattern": "^(https?://.+)?$"},
+            protocol={"type": "string", "enum": ["grpc", "http/protobuf"]},
+            sampler={"type": "string", "enum": [
+                "always_on", "always_off", "traceidratio", "parentbased_always_on",
+                "parentbased_always_off", "parentbased_traceidratio"]},
+            samplerArg={"type": "string"},
+        ),
+        probes=obj(startup=probe(), liveness=probe(), readiness=probe()),
+        service=obj(type=SERVICE_TYPE, annotations=STRING_MAP),
+        pdb=obj(enabled={"type": "boolean"}, maxUnavailable={"type": "integer", "minimum": 1}),
+        podSecurityContext=FREE_MAP,
+        securityContext=FREE_MAP,
+        terminationGracePeriodSeconds={"type": "integer", "minimum": 0},
+        podAnnotations=STRING_MAP,
+        podLabels=STRING_MAP,
+        nodeSelector=STRING_MAP,
+        tolerations=LIST,
+        affinity=FREE_MAP,
+    )
+    master = obj(
+        enabled={"type": "boolean"},
+        image=image(),
+        rpcPort=PORT,
+        metricsPort=PORT,
+        defaultKvLeaseTtl=DURATION,
+        clientTtl=positive(),
+        evictionHighWatermarkRatio={"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        evictionRatio={"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        extraArgs=STRINGS,
+        env=LIST,
+        resources=FREE_MAP,
+        probes=obj(liveness=probe(), readiness=probe()),
+        service=obj(type=SERVICE_TYPE, annotations=STRING_MAP),
+        pdb=obj(enabled={"type": "boolean"}, minAvailable={"type": "integer", "minimum": 0}),
+        podSecurityContext=FREE_MAP,
+        securityContext=FREE_MAP,
+        podAnnotations=STRING_MAP,
+        podLabels=STRING_MAP,
+        nodeSelector=STRING_MAP,
+        tolerations=LIST,
+        affinity=FREE_MAP,
+        external=obj(
+            address={"type": "string", "pattern": "^([^:/\\s]+:[0-9]{1,5})?$"},
+            healthUrl={"type": "string", "pattern": "^(https?://.+)?$"},
+        ),
+    )
+    # Without a master of its own, the chart needs the address of one.
+    master["if"] = {"properties": {"enabled": {"const": False}}}
+    master["then"] = {"properties": {"external": {"properties": {"address": {"minLength": 1}}}}}
+    monitor = {"enabled": {"type": "boolean"}, "interval": PROM_DURATION, "scrapeTimeout": PROM_DURATION,
+               "labels": STRING_MAP}
+    return {
+        "$schema": "http://json-schema.org/draft-07/schema#",
+        "title": "mooncake-lookout chart values",
+        **obj(
+            nameOverride=DNS_LABEL,
+            fullnameOverride=DNS_LABEL,
+            commonLabels=STRING_MAP,
+            imagePullSecrets=LIST,
+            serviceAccount=obj(create={"type": "boolean"}, name={"type": "string"}, annotations=STRING_MAP,
+                               automountToken={"type": "boolean"}),
+            engine=engine,
+            master=master,
+            monitoring=obj(
+                namespace=DNS_LABEL,
+                serviceMonitor=obj(**monitor),
+                masterMonitor=obj(**monitor, kind={"type": "string", "enum": ["PodMonitor", "ServiceMonitor"]}),
+                prometheusRule=obj(enabled={"type": "boolean"}, labels=STRING_MAP,
+                                   runbookBaseUrl={"type": "string", "pattern": "^(https?://.+)?$"}),
+            ),
+            grafana=obj(dashboards=obj(
+                enabled={"type": "boolean"}, label={"type": "string", "minLength": 1}, labelValue={"type": "string"},
+                folder={"type": "string"}, namespace=DNS_LABEL)),
+            networkPolicy=obj(enabled={"type": "boolean"}, monitoringPodSelector=FREE_MAP),
+            helmTest=obj(enabled={"type": "boolean"}, timeoutSeconds=positive(3600)),
+        ),
+    }
+
+
+def comment_descriptions(text: str) -> dict[str, str]:
+    """Map each dotted key path of values.yaml to the ``# --`` comment right above it."""
+    found: dict[str, str] = {}
+    stack: list[tuple[int, str]] = []
+    pending: list[str] = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("# --"):
+            pending.append(stripped[4:].strip())
+            continue
+        if stripped.startswith("#"):
+            continue
+        match = re.match(r"^(\s*)([A-Za-z0-9_./-]+):(\s|$)", line)
+        if not match:
+            pending = []
+            continue
+        indent = len(match.group(1))
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        stack.append((indent, match.group(2)))
+        if pending:
+            found[".".join(name for _, name in stack)] = " ".join(pending)
+        pending = []
+    return found
+
+
+def fill(schema: dict[str, Any], values: Any, docs: dict[str, str], path: str = "") -> None:
+    """Copy defaults (from values.yaml) and descriptions (from its comments) into the schema, in place."""
+    if path and "description" not in schema and path in docs:
+        schema["description"] = docs[path]
+    props = schema.get("properties")
+    if props is None or schema.get("additionalProperties") is not False:
+        if path:
+            schema["default"] = values
+        return
+    for name in props:
+        sub = props[name] = copy.deepcopy(props[name])  # the shape shares small dicts; fill private copies
+        if name not in values:
+            raise SystemExit(f"values.yaml lacks {path + '.' if path else ''}{name}, which the schema defines")
+        fill(sub, values[name], docs, f"{path}.{name}" if path else name)
+    extra = set(values) - set(props)
+    if extra:
+        raise SystemExit(f"values.yaml has keys the schema does not define under {path or '(top)'}: {sorted(extra)}")
+
+
+def build(values_text: str) -> dict[str, Any]:
+    """The full schema for this values.yaml text."""
+    schema = shape()
+    fill(schema, yaml.safe_load(values_text), comment_descriptions(values_text))
+    return schema
+
+
+def render(schema: dict[str, Any]) -> str:
+    """The schema as committed: two-space JSON with a final newline."""
+    return json.dumps(schema, indent=2) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="fail if values.schema.json is stale")
+    args = parser.parse_args(argv)
+    text = render(build(VALUES.read_text()))
+    if args.check:
+        if SCHEMA.read_text() != text:
+            print(f"{SCHEMA} is stale: run python {Path(__file__).relative_to(CHART.parents[1])}", file=sys.stderr)
+            return 1
+        return 0
+    SCHEMA.write_text(text)
+    return 0
+
+
+__all__ = ["LOOKUP_LIMITS", "build", "comment_descriptions", "render", "shape"]
+
+if __name__ == "__main__":
+    sys.exit(main())

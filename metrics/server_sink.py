@@ -1,0 +1,51 @@
+"""The lookup server's own figures: frames answered, queue depth, concurrent store calls, store latency.
+
+A :class:`~mooncake_lookout.connector.server.ServerObserver`: pass it to
+``LookupServer(..., observers=[ServerMetrics(registry)])``. The server calls it on its IO thread;
+``prometheus_client`` values are thread-safe, so nothing here locks. Names come from the ``SERVER_*``
+specs of :mod:`.catalogue`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, CollectorRegistry
+
+from mooncake_lookout.connector.server import ServerObserver
+from mooncake_lookout.metrics import catalogue as cat
+from mooncake_lookout.metrics.prometheus_sink import make_metric
+
+
+class ServerMetrics(ServerObserver):
+    """Server figures in a ``prometheus_client`` registry (``registry=None``: create but do not register)."""
+
+    def __init__(self, registry: CollectorRegistry | None = REGISTRY) -> None:
+        self.registry = registry
+        requests = make_metric(cat.SERVER_REQUESTS, registry)
+        self._requests = requests
+        self._status = {s: requests.labels(s) for s in cat.SERVER_STATUSES}  # every series from the start
+        self._queue_depth = make_metric(cat.SERVER_QUEUE_DEPTH, registry)
+        self._inflight = make_metric(cat.SERVER_INFLIGHT, registry)
+        self._store_seconds = make_metric(cat.SERVER_STORE_SECONDS, registry)
+        self._batch_size = make_metric(cat.SERVER_BATCH_SIZE, registry)
+        self._store_errors = make_metric(cat.SERVER_STORE_ERRORS, registry)
+
+    def queue_depth(self, depth: int) -> None:
+        self._queue_depth.set(depth)
+
+    def inflight(self, calls: int) -> None:
+        self._inflight.set(calls)
+
+    def store_call(self, batch_size: int, seconds: float, failed: bool) -> None:
+        self._store_seconds.observe(seconds)
+        self._batch_size.observe(batch_size)
+        if failed:
+            self._store_errors.inc()
+
+    def answered(self, status: str) -> None:
+        child = self._status.get(status)
+        if child is None:
+            child = self._status[status] = self._requests.labels(status)
+        child.inc()
+
+
+__all__ = ["ServerMetrics"]

@@ -1,0 +1,195 @@
+"""OpenTelemetry spans for lookups: one span per lookup, a child span for its round trip.
+
+Enable
+    Set the standard variables; nothing else configures tracing::
+
+        OTEL_TRACES_EXPORTER=otlp
+        OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf     # grpc needs opentelemetry-exporter-otlp-proto-grpc
+        OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=http://127.0.0.1:4318/v1/traces
+        OTEL_TRACES_SAMPLER=parentbased_traceidratio OTEL_TRACES_SAMPLER_ARG=0.1
+        OTEL_SERVICE_NAME=vllm-scheduler                     # default: mooncake-lookout
+
+    With ``OTEL_TRACES_EXPORTER`` unset or ``none``, :func:`tracing_observer_from_env` returns ``None`` and
+    no observer is attached: tracing off costs nothing.
+
+Spans
+    ``mooncake.lookup`` runs from submit to the answer being used (or the lookup discarded), on the
+    scheduler's thread. ``mooncake.lookup.rpc`` is its child, from the transport taking the lookup to its
+    answer, on the transport's thread; the parent travels in ``LookupRecord.scratch``, not in a
+    thread-local context. Request ids appear only hashed (``gen_ai.request.id``).
+
+Parent from vLLM
+    The scheduler adapter calls :meth:`TracingObserver.set_parent_headers` with ``Request.trace_headers``
+    before it starts the lookup; the headers are taken (and forgotten) at submit, and extracted with the
+    propagators of ``OTEL_PROPAGATORS`` (W3C ``traceparent`` by default).
+
+The provider is private to this module's observer (it does not replace a global one vLLM may set),
+and spans leave through a ``BatchSpanProcessor``: the scheduler never waits on the network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Mapping
+
+from opentelemetry import propagate, trace
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.trace import Status, StatusCode, Tracer
+
+from mooncake_lookout.connector.events import LookupRecord, NullObserver, Outcome
+
+logger = logging.getLogger(__name__)
+
+SPAN_LOOKUP = "mooncake.lookup"
+SPAN_RPC = "mooncake.lookup.rpc"
+ATTR_REQUEST_ID = "gen_ai.request.id"  # sha256 prefix of the request id, never the id itself
+ATTR_TOKENS = "mooncake.lookup.num_tokens"
+ATTR_BLOCKS = "mooncake.lookup.num_blocks"
+ATTR_HIT_TOKENS = "mooncake.lookup.hit_tokens"
+ATTR_OUTCOME = "mooncake.lookup.outcome"
+ATTR_DEFERRED_STEPS = "mooncake.lookup.deferred_steps"
+ATTR_TRANSPORT = "mooncake.lookup.transport"
+ATTR_GENERATION = "mooncake.lookup.generation"
+ATTR_ERROR = "mooncake.lookup.error"
+DEFAULT_SERVICE_NAME = "mooncake-lookout"
+# set_parent_headers entries whose lookup never came are dropped past this many (oldest first).
+MAX_PARENT_HEADERS = 4096
+
+_SPAN_KEY = "tracing.span"
+_RPC_KEY = "tracing.rpc"
+_FAILED = frozenset({Outcome.ERROR, Outcome.TIMEOUT})
+
+
+def hash_request_id(req_id: str) -> str:
+    """The first 16 hex digits of sha256(req_id): joins spans of one request, reveals nothing of the id."""
+    return hashlib.sha256(req_id.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+class TracingObserver(NullObserver):
+    """A :class:`LookupObserver` that turns lookup lifecycles into spans of ``tracer``."""
+
+    def __init__(self, tracer: Tracer, provider: TracerProvider | None = None) -> None:
+        self.tracer = tracer
+        self.provider = provider
+        self._parents: dict[str, Mapping[str, str]] = {}  # scheduler thread only
+
+    def set_parent_headers(self, req_id: str, headers: Mapping[str, str] | None) -> None:
+        """Make the next lookup of ``req_id`` a child of the trace in ``headers`` (vLLM's ``trace_headers``)."""
+        if not headers:
+            return
+        parents = self._parents
+        parents[req_id] = headers
+        if len(parents) > MAX_PARENT_HEADERS:
+            del parents[next(iter(parents))]
+
+    def submitted(self, rec: LookupRecord) -> None:
+        headers = self._parents.pop(rec.req_id, None)
+        ctx = propagate.extract(headers) if headers else None
+        span = self.tracer.start_span(SPAN_LOOKUP, context=ctx)
+        if span.is_recording():
+            span.set_attributes({
+                ATTR_REQUEST_ID: hash_request_id(rec.req_id),
+                ATTR_TOKENS: rec.num_tokens,
+                ATTR_BLOCKS: rec.num_hashes,
+                ATTR_TRANSPORT: rec.transport,
+                ATTR_GENERATION: rec.generation,
+            })
+        rec.scratch[_SPAN_KEY] = span
+
+    def started(self, rec: LookupRecord) -> None:
+        parent = rec.scratch.get(_SPAN_KEY)
+        if parent is None or not parent.get_span_context().is_valid:
+            return
+        child = self.tracer.start_span(SPAN_RPC, context=trace.set_span_in_context(parent))
+        if child.is_recording():
+            child.set_attribute(ATTR_TRANSPORT, rec.transport)
+        rec.scratch[_RPC_KEY] = child
+
+    def answered(self, rec: LookupRecord) -> None:
+        child = rec.scratch.pop(_RPC_KEY, None)
+        if child is not None:
+            child.end()
+
+    def consumed(self, rec: LookupRecord) -> None:
+        self._end(rec)
+
+    def discarded(self, rec: LookupRecord) -> None:
+        self._end(rec)
+
+    def _end(self, rec: LookupRecord) -> None:
+        # The span stays in scratch: a round trip still in flight may yet hang its child span on it.
+        span = rec.scratch.get(_SPAN_KEY)
+        if span is None:
+            return
+        if span.is_recording():
+            outcome = rec.outcome if rec.outcome is not None else Outcome.ERROR
+            span.set_attributes({
+                ATTR_OUTCOME: outcome.value,
+                ATTR_HIT_TOKENS: rec.hit_tokens,
+                ATTR_DEFERRED_STEPS: rec.deferrals,
+            })
+            if outcome in _FAILED:
+                span.set_status(Status(StatusCode.ERROR, rec.error or outcome.value))
+                if rec.error:
+                    span.set_attribute(ATTR_ERROR, rec.error)
+        span.end()
+
+    def shutdown(self) -> None:
+        """Flush and stop the provider this observer owns (if any)."""
+        if self.provider is not None:
+            self.provider.shutdown()
+
+
+def _exporters_from_env() -> list[SpanExporter]:
+    """Span exporters named by ``OTEL_TRACES_EXPORTER`` (and the OTLP protocol variables), via the SDK."""
+    # The SDK's own reading of OTEL_TRACES_EXPORTER / OTEL_EXPORTER_OTLP_*_PROTOCOL (private helpers,
+    # pinned by opentelemetry-sdk<2); each exporter reads its endpoint, headers and timeout itself.
+    from opentelemetry.sdk._configuration import _get_exporter_names, _import_exporters
+
+    names = _get_exporter_names("traces")
+    if not names:
+        return []
+    trace_exporters, _, _ = _import_exporters(names, [], [])
+    return [cls() for cls in trace_exporters.values()]
+
+
+def provider_from_env(exporters: list[SpanExporter] | None = None) -> TracerProvider | None:
+    """A tracer provider configured by ``OTEL_*`` (sampler, resource, exporters); ``None`` if tracing is off."""
+    if exporters is None:
+        exporters = _exporters_from_env()
+    if not exporters:
+        return None
+    resource = Resource.create({})
+    if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({SERVICE_NAME: DEFAULT_SERVICE_NAME}))
+    provider = TracerProvider(resource=resource)  # sampler from OTEL_TRACES_SAMPLER(_ARG)
+    for exporter in exporters:
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    return provider
+
+
+def tracing_observer_from_env() -> TracingObserver | None:
+    """The observer to attach, or ``None`` when ``OTEL_TRACES_EXPORTER`` is unset/none or unusable.
+
+    A misconfiguration (say, the grpc protocol without its exporter installed) is logged and turns
+    tracing off; it never stops lookups.
+    """
+    try:
+        provider = provider_from_env()
+    except Exception as exc:  # telemetry must not stop the scheduler from starting
+        logger.error("mooncake-lookout tracing disabled: %s (check OTEL_TRACES_EXPORTER and "
+                     "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL; only http/protobuf ships with this package)", exc)
+        return None
+    if provider is None:
+        return None
+    return TracingObserver(provider.get_tracer("mooncake_lookout"), provider)
+
+
+__all__ = [
+    "ATTR_BLOCKS", "ATTR_DEFERRED_STEPS", "ATTR_ERROR", "ATTR_GENERATION", "ATTR_HIT_TOKENS", "ATTR_OUTCOME",
+    "ATTR_REQUEST_ID", "ATTR_TOKENS", "ATTR_TRANSPORT", "SPAN_LOOKUP", "SPAN_RPC", "TracingObserver",
+    "hash_request_id", "provider_from_env", "tracing_observer_from_env",
+]

@@ -1,0 +1,260 @@
+"""LookupClient over vLLM 0.33's real LookupKeyServer (from the wheel), a real Mooncake master, real ZMQ."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Iterator
+
+import pytest
+
+from mooncake_lookout.connector.client import LookupClient
+from mooncake_lookout.connector.config import LookupConfig
+from mooncake_lookout.connector.events import Outcome, OutcomeCounter
+from mooncake_lookout.connector.upstream import UpstreamTransport
+
+BLOCK = 16
+
+
+def make_client(address: str, **config: Any) -> tuple[LookupClient, OutcomeCounter]:
+    counter = OutcomeCounter()
+    client = LookupClient(LookupConfig(**config), UpstreamTransport(address), observer=counter)
+    return client, counter
+
+
+def poll(client: LookupClient, req_id: str, num_tokens: int, hashes: list[bytes], *, bound_s: float = 5.0) -> Any:
+    """Ask non-blocking until an answer comes, as the scheduler does once per step (bounded)."""
+    end = time.monotonic() + bound_s
+    while time.monotonic() < end:
+        result = client.lookup(req_id, num_tokens, hashes, non_block=True)
+        if result is not None:
+            return result
+        time.sleep(0.0005)
+    raise AssertionError(f"no answer for {req_id} within {bound_s}s")
+
+
+@pytest.fixture
+def client(upstream_server: str) -> Iterator[tuple[LookupClient, OutcomeCounter]]:
+    c, counter = make_client(upstream_server, lookup_timeout_ms=500)
+    yield c, counter
+    c.close()
+
+
+def test_hit_partial_hit_and_miss(client, prefix_index, make_hashes) -> None:
+    c, counter = client
+    full = make_hashes(8, seed=1)
+    prefix_index.store_prefixes([full[:5]])
+    tokens = 8 * BLOCK + 3
+    assert c.lookup("partial", tokens, full).hit_length == 5 * BLOCK
+    prefix_index.store_prefixes([full])
+    assert c.lookup("full", tokens, full).hit_length == 8 * BLOCK
+    assert c.lookup("miss", tokens, make_hashes(8, seed=2)).hit_length == 0
+    assert counter.outcomes[Outcome.HIT] == 2 and counter.outcomes[Outcome.MISS] == 1
+    assert c.pending == 0
+
+
+def test_full_prompt_hit_leaves_the_last_token_to_compute(client, prefix_index, make_hashes) -> None:
+    c, _ = client
+    hashes = make_hashes(4, seed=3)
+    prefix_index.store_prefixes([hashes])
+    assert c.lookup("exact", 4 * BLOCK, hashes).hit_length < 4 * BLOCK
+
+
+def test_non_blocking_defers_then_answers_and_keeps_the_answer(client, prefix_index, make_hashes) -> None:
+    c, counter = client
+    hashes = make_hashes(6, seed=4)
+    prefix_index.store_prefixes([hashes])
+    first = c.lookup("r", 6 * BLOCK + 1, hashes, non_block=True)
+    assert first is None and c.pending == 1
+    assert poll(c, "r", 6 * BLOCK + 1, hashes).hit_length == 6 * BLOCK
+    assert counter.deferrals >= 1 and c.pending == 0
+    # A retry (say the allocation failed) is answered from what the client kept: no new round trip.
+    prefix_index.remove_all(force=True)
+    assert c.lookup("r", 6 * BLOCK + 1, hashes, non_block=True).hit_length == 6 * BLOCK
+    assert counter.outcomes[Outcome.HIT] == 1
+
+
+def test_discard_pending_and_finished(client, prefix_index, make_hashes) -> None:
+    c, counter = client
+    hashes = make_hashes(4, seed=5)
+    prefix_index.store_prefixes([hashes])
+    assert c.lookup("pending", 4 * BLOCK + 1, hashes, non_block=True) is None
+    c.discard("pending")
+    assert c.pending == 0 and not c.has("pending")
+    assert counter.outcomes[Outcome.DISCARDED] == 1
+    assert c.lookup("done", 4 * BLOCK + 1, hashes).hit_length == 4 * BLOCK
+    c.discard("done")
+    assert not c.has("done")
+    c.discard("never-seen")  # harmless
+    # The id can be reused after discard and is asked afresh.
+    prefix_index.remove_all(force=True)
+    assert c.lookup("done", 4 * BLOCK + 1, hashes).hit_length == 0
+
+
+def test_changed_num_tokens_for_the_same_request_is_requeried(client, prefix_index, make_hashes) -> None:
+    c, _ = client
+    hashes = make_hashes(8, seed=6)
+    prefix_index.store_prefixes([hashes[:8]])
+    assert c.lookup("r", 4 * BLOCK + 1, hashes[:4]).hit_length == 4 * BLOCK
+    # Same id, longer prompt (e.g. resumed after preemption): a new lookup, not the old answer.
+    assert c.lookup("r", 8 * BLOCK + 1, hashes).hit_length == 8 * BLOCK
+
+
+def test_reset_while_lookups_are_in_flight_serves_nothing_stale(client, prefix_index, make_hashes) -> None:
+    c, counter = client
+    lists = [make_hashes(4, seed=100 + i) for i in range(32)]
+    prefix_index.store_prefixes(lists)
+    for i, h in enumerate(lists):
+        assert c.lookup(f"r{i}", 4 * BLOCK + 1, h, non_block=True) is None
+    assert c.reset()  # fenced behind the lookups already sent; wipes the index's namespace
+    assert counter.outcomes[Outcome.DISCARDED] == 32 and c.pending == 0
+    for i, h in enumerate(lists):
+        assert poll(c, f"r{i}", 4 * BLOCK + 1, h).hit_length == 0, "a pre-reset answer was served"
+
+
+def test_pending_bound_answers_a_miss_at_once(client, upstream_server, prefix_index, make_hashes) -> None:
+    c, counter = make_client(upstream_server, lookup_max_pending=4)
+    try:
+        hashes = make_hashes(2, seed=7)
+        prefix_index.store_prefixes([hashes])
+        for i in range(4):
+            c.lookup(f"r{i}", 2 * BLOCK + 1, hashes, non_block=True)
+        over = c.lookup("over", 2 * BLOCK + 1, hashes, non_block=True)
+        assert over is not None and over.hit_length == 0
+        assert counter.outcomes[Outcome.REJECTED] == 1
+        assert c.pending <= 4
+    finally:
+        c.close()
+
+
+def test_close_while_a_lookup_is_in_flight(upstream_server, make_hashes) -> None:
+    c, counter = make_client(upstream_server)
+    hashes = make_hashes(4, seed=8)
+    assert c.lookup("r", 4 * BLOCK + 1, hashes, non_block=True) is None
+    c.close()
+    c.close()
+    assert c.pending == 0 and counter.outcomes[Outcome.DISCARDED] == 1
+    after = c.lookup("late", 4 * BLOCK + 1, hashes, non_block=True)
+    assert after is not None and after.hit_length == 0
+
+
+# -- faults with real processes ----------------------------------------------------------------------------
+@pytest.fixture
+def private_stack(private_master, lookup_vllm_config) -> Iterator[Any]:
+    """A master of its own (free to pause or kill), a store client, an index and vLLM's LookupKeyServer."""
+    from mooncake_lookout.connector.mooncake_master import open_writer_store
+    from mooncake_lookout.connector.prefix_index import PrefixIndex
+    from mooncake_lookout.connector.upstream_server import UpstreamLookupServer
+
+    store = open_writer_store(private_master.rpc_address, rpc_timeout_ms=3000)
+    index = PrefixIndex(store, BLOCK, namespace="fault")
+    server = UpstreamLookupServer(index, lookup_vllm_config).start()
+    stack = type("Stack", (), {})()
+    stack.master, stack.index, stack.server, stack.store, stack.config = (
+        private_master, index, server, store, lookup_vllm_config)
+    yield stack
+    private_master.resume() if private_master.running else None
+    server.stop()
+    store.close()
+
+
+def test_stalled_store_answers_a_miss_within_the_deadline_then_recovers(private_stack, make_hashes) -> None:
+    hashes = make_hashes(4, seed=9)
+    private_stack.index.store_prefixes([hashes])
+    c, counter = make_client(private_stack.server.address, lookup_timeout_ms=100, lookup_breaker_failures=100)
+    try:
+        assert c.lookup("warm", 4 * BLOCK + 1, hashes).hit_length == 4 * BLOCK
+        private_stack.master.pause()  # SIGSTOP: batch_is_exist now hangs inside vLLM's server
+        t0 = time.perf_counter()
+        stalled = c.lookup("stalled", 4 * BLOCK + 1, hashes)
+        blocked = time.perf_counter() - t0
+        assert stalled.hit_length == 0 and counter.outcomes[Outcome.TIMEOUT] == 1
+        assert blocked < 1.0, f"blocked {blocked:.3f}s with a 100 ms deadline"
+        private_stack.master.resume()
+        # The server finishes the stalled call; the rebuilt socket reaches it again.
+        end = time.monotonic() + 10
+        while time.monotonic() < end:
+            c.discard("again")
+            if c.lookup("again", 4 * BLOCK + 1, hashes).hit_length == 4 * BLOCK:
+                break
+        else:
+            raise AssertionError("lookups did not recover after the store came back")
+    finally:
+        c.close()
+
+
+def test_server_restarted_with_a_request_in_flight(private_stack, make_hashes) -> None:
+    from mooncake_lookout.connector.upstream_server import UpstreamLookupServer
+
+    hashes = make_hashes(4, seed=10)
+    private_stack.index.store_prefixes([hashes])
+    c, counter = make_client(private_stack.server.address, lookup_timeout_ms=200, lookup_breaker_failures=100)
+    try:
+        private_stack.master.pause()
+        assert c.lookup("inflight", 4 * BLOCK + 1, hashes, non_block=True) is None
+        private_stack.master.resume()
+        assert private_stack.server.stop()
+        private_stack.server = UpstreamLookupServer(private_stack.index, private_stack.config).start()
+        answer = poll(c, "inflight", 4 * BLOCK + 1, hashes)
+        assert answer.hit_length in (0, 4 * BLOCK)
+        end = time.monotonic() + 10
+        while time.monotonic() < end:
+            c.discard("after")
+            if c.lookup("after", 4 * BLOCK + 1, hashes).hit_length == 4 * BLOCK:
+                break
+        else:
+            raise AssertionError("client did not reach the restarted server")
+    finally:
+        c.close()
+
+
+def test_breaker_opens_after_failures_and_closes_after_a_good_probe(private_stack, make_hashes) -> None:
+    hashes = make_hashes(4, seed=11)
+    private_stack.index.store_prefixes([hashes])
+    c, counter = make_client(private_stack.server.address, lookup_timeout_ms=50, lookup_breaker_failures=3,
+                             lookup_breaker_cooldown_s=0.2)
+    try:
+        private_stack.master.pause()
+        for i in range(3):
+            c.lookup(f"f{i}", 4 * BLOCK + 1, hashes)
+        assert c.breaker.is_open and counter.breaker_changes == [True]
+        t0 = time.perf_counter()
+        fast = c.lookup("fast", 4 * BLOCK + 1, hashes)
+        assert fast.hit_length == 0 and counter.outcomes[Outcome.BREAKER_OPEN] == 1
+        assert time.perf_counter() - t0 < 0.05
+        private_stack.master.resume()
+        end = time.monotonic() + 10
+        i = 0
+        while c.breaker.is_open and time.monotonic() < end:
+            c.lookup(f"probe{i}", 4 * BLOCK + 1, hashes)
+            i += 1
+            time.sleep(0.01)
+        assert not c.breaker.is_open and counter.breaker_changes == [True, False]
+        c.discard("ok")
+        assert c.lookup("ok", 4 * BLOCK + 1, hashes).hit_length == 4 * BLOCK
+    finally:
+        c.close()
+
+
+def test_store_errors_are_counted_as_errors_not_misses(private_master, make_hashes) -> None:
+    """A dead master makes the store return error codes; our server reports them, the client counts errors."""
+    from mooncake_lookout.connector.mooncake_master import open_store
+    from mooncake_lookout.connector.prefix_index import PrefixIndex
+    from mooncake_lookout.connector.server import LookupServer
+
+    store = open_store(private_master.rpc_address, rpc_timeout_ms=500)
+    index = PrefixIndex(store, BLOCK, namespace="err")
+    with LookupServer(index, "tcp://127.0.0.1:0") as server:
+        c, counter = make_client(server.address, lookup_timeout_ms=8000, lookup_breaker_failures=100)
+        try:
+            hashes = make_hashes(4, seed=12)
+            assert c.lookup("ok", 4 * BLOCK + 1, hashes).hit_length == 0
+            private_master.kill()
+            answer = c.lookup("err", 4 * BLOCK + 1, hashes)
+            assert answer.hit_length == 0
+            assert counter.outcomes[Outcome.ERROR] + counter.outcomes[Outcome.TIMEOUT] == 1
+            assert counter.outcomes[Outcome.ERROR] == 1, "a store error was reported as something else"
+            assert counter.outcomes[Outcome.MISS] == 1  # only the first, healthy lookup
+        finally:
+            c.close()
+    store.close()

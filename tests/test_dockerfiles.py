@@ -1,0 +1,187 @@
+"""The chart's two images (docker/*.Dockerfile): they parse, have the stages we mean, install exactly
+pyproject.toml's pins and agree with the chart (user, ports, entrypoint). No container engine runs here, so
+the files are parsed, not built; docs/helm.md says how to build and push them.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import shlex
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKER = ROOT / "docker"
+CHART = ROOT / "helm" / "mooncake-lookout"
+INSTRUCTIONS = {"FROM", "RUN", "CMD", "LABEL", "EXPOSE", "ENV", "ADD", "COPY", "ENTRYPOINT", "VOLUME", "USER",
+                "WORKDIR", "ARG", "ONBUILD", "STOPSIGNAL", "HEALTHCHECK", "SHELL"}
+
+
+@dataclass
+class Stage:
+    base: str
+    name: str
+    instructions: list[tuple[str, str]] = field(default_factory=list)
+
+
+@dataclass
+class Dockerfile:
+    global_args: dict[str, str]
+    stages: list[Stage]
+
+
+def parse(text: str) -> Dockerfile:
+    """A small Dockerfile parser: comments, line continuations, global and stage ARGs, stages."""
+    logical: list[str] = []
+    current = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not current and (not line or line.startswith("#")):
+            continue
+        if line.startswith("#"):
+            continue  # comment lines inside a continued instruction
+        if line.endswith("\\"):
+            current += line[:-1].rstrip() + " "
+            continue
+        logical.append(current + line)
+        current = ""
+    assert not current, "dangling line continuation"
+    global_args: dict[str, str] = {}
+    stages: list[Stage] = []
+    stage_args: dict[str, str] = {}
+    for line in logical:
+        keyword, _, rest = line.partition(" ")
+        keyword = keyword.upper()
+        assert keyword in INSTRUCTIONS, f"unknown instruction {keyword!r}"
+        rest = rest.strip()
+        if keyword == "ARG":
+            name, _, default = rest.partition("=")
+            if not stages:
+                global_args[name] = default.strip('"')
+            else:
+                assert default or name in global_args, f"stage ARG {name} has no value"
+                stage_args[name] = default.strip('"') if default else global_args[name]
+            continue
+        if keyword == "FROM":
+            parts = expand(rest, global_args).split()
+            assert len(parts) in (1, 3) and (len(parts) == 1 or parts[1].upper() == "AS"), rest
+            stages.append(Stage(base=parts[0], name=parts[2] if len(parts) == 3 else str(len(stages))))
+            stage_args = {}
+            continue
+        assert stages, f"{keyword} before any FROM"
+        stages[-1].instructions.append((keyword, expand(rest, stage_args)))
+    return Dockerfile(global_args, stages)
+
+
+def expand(text: str, args: dict[str, str]) -> str:
+    """Substitute ${NAME} and $NAME from the ARGs in scope; an unknown name is an error."""
+    def sub(match: re.Match) -> str:
+        name = match.group(1) or match.group(2)
+        assert name in args, f"${name} is not an ARG in scope"
+        return args[name]
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", sub, text)
+
+
+def pip_installs(stage: Stage) -> list[str]:
+    """Requirements given to `pip install` in a stage's RUN instructions (options dropped)."""
+    found: list[str] = []
+    for keyword, rest in stage.instructions:
+        if keyword != "RUN":
+            continue
+        for command in re.split(r"&&|;", rest):
+            tokens = shlex.split(command)
+            if "pip" in tokens and "install" in tokens:
+                after = tokens[tokens.index("install") + 1:]
+                found += [t for t in after if not t.startswith("-")]
+    return found
+
+
+def of(stage: Stage, keyword: str) -> list[str]:
+    return [rest for k, rest in stage.instructions if k == keyword]
+
+
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+PINS = {name: dep for group in PROJECT["optional-dependencies"].values() for dep in group
+        if "==" in dep for name in [dep.split("==", 1)[0]]}
+ENGINE = parse((DOCKER / "engine.Dockerfile").read_text())
+MASTER = parse((DOCKER / "master.Dockerfile").read_text())
+VALUES = yaml.safe_load((CHART / "values.yaml").read_text())
+
+
+def test_parser_rejects_what_docker_would():
+    with pytest.raises(AssertionError):
+        parse("FROM x\nRUNN echo\n")
+    with pytest.raises(AssertionError):
+        parse("RUN echo\n")
+    with pytest.raises(AssertionError):
+        parse("FROM img:${MISSING}\n")
+    assert parse("ARG V=1\nFROM a:$V AS b\nARG V\nRUN echo ${V} \\\n  done\n").stages[0].instructions == [
+        ("RUN", "echo 1 done")]
+
+
+def test_engine_image_is_the_pinned_vllm_image_with_mooncake_cuda_and_our_wheel():
+    assert [s.name for s in ENGINE.stages] == ["wheel", "engine"]
+    wheel, engine = ENGINE.stages
+    assert PINS["vllm"] == "vllm==0.33.0"
+    assert engine.base == "vllm/vllm-openai:v" + PINS["vllm"].split("==")[1]
+    # Exactly the Mooncake CUDA wheel pin and this package's wheel, nothing else.
+    installs = pip_installs(engine)
+    assert installs[0] == PINS["mooncake-transfer-engine"]
+    assert len(installs) == 2 and re.fullmatch(r"/tmp/dist/mooncake_lookout-\*\.whl", installs[1])
+    assert of(engine, "COPY") == ["--from=wheel /dist/ /tmp/dist/"]
+    # The wheel stage builds from the source tree, without dependencies.
+    assert any("pip wheel" in r and "--no-deps" in r for r in of(wheel, "RUN"))
+
+
+def test_engine_entrypoint_matches_the_chart_command():
+    (entrypoint,) = of(ENGINE.stages[-1], "ENTRYPOINT")
+    template = (CHART / "templates" / "engine-deployment.yaml").read_text()
+    command = json.loads(re.search(r"command: (\[.*\])", template).group(1))
+    assert json.loads(entrypoint) == command
+
+
+def test_engine_build_context_holds_what_the_wheel_stage_copies():
+    patterns = [l.strip() for l in (DOCKER / "engine.Dockerfile.dockerignore").read_text().splitlines()
+                if l.strip() and not l.startswith("#")]
+
+    def ignored(path: str) -> bool:
+        verdict = False
+        for pattern in patterns:
+            negate = pattern.startswith("!")
+            pattern = pattern.lstrip("!").rstrip("/")
+            if fnmatch.fnmatch(path, pattern) or path.startswith(pattern + "/"):
+                verdict = not negate
+        return verdict
+
+    sources = [src for rest in of(ENGINE.stages[0], "COPY") for src in rest.split()[:-1]]
+    assert sources
+    for src in sources:
+        assert (ROOT / src).exists(), src
+        assert not ignored(src), f"{src} is excluded from the build context"
+    assert ignored(".venv") and ignored("tests")
+
+
+def test_master_image_installs_the_pinned_wheel_and_runs_as_the_charts_user():
+    (stage,) = MASTER.stages
+    assert stage.base.startswith("python:3.11-")
+    assert pip_installs(stage) == [PINS["mooncake-transfer-engine-non-cuda"]]
+    assert PINS["mooncake-transfer-engine-non-cuda"].split("==")[1] == PINS["mooncake-transfer-engine"].split("==")[1]
+    (user,) = of(stage, "USER")
+    uid, _, gid = user.partition(":")
+    assert int(uid) != 0 and int(uid) == VALUES["master"]["podSecurityContext"]["runAsUser"]
+    assert int(gid) == VALUES["master"]["podSecurityContext"]["runAsGroup"]
+    assert json.loads(of(stage, "ENTRYPOINT")[0]) == ["mooncake_master"]
+    (expose,) = of(stage, "EXPOSE")
+    assert sorted(int(p) for p in expose.split()) == sorted([VALUES["master"]["rpcPort"], VALUES["master"]["metricsPort"]])
+
+
+def test_chart_annotations_name_the_versions_the_images_install():
+    meta = yaml.safe_load((CHART / "Chart.yaml").read_text())["annotations"]
+    assert ENGINE.stages[-1].base.endswith("v" + meta["mooncake-lookout/vllm-version"])
+    assert pip_installs(MASTER.stages[0])[0].endswith("==" + meta["mooncake-lookout/mooncake-version"])

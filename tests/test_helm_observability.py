@@ -1,0 +1,199 @@
+"""The chart's monitoring objects: Prometheus Operator CRDs checked by their own fields (kubernetes-validate has
+no schema for them), alert rules and dashboards checked to be the files of dashboards/ (one source).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DASHBOARDS = ROOT / "dashboards"
+RULES = DASHBOARDS / "alerts.rules.yaml"
+CRD_API = "monitoring.coreos.com/v1"
+DURATION = re.compile(r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$")
+
+
+def _tool(name: str) -> ModuleType:
+    """Load helm/tools/<name>.py (not an installed package) once."""
+    mod_name = f"lookout_helm_tools_{name}"
+    if mod_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(mod_name, ROOT / "helm" / "tools" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[mod_name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[mod_name]
+
+
+chart = _tool("chart")
+
+
+@pytest.fixture(scope="module")
+def default() -> list[dict[str, Any]]:
+    return chart.template()
+
+
+def dashboard_files() -> list[Path]:
+    files = sorted(DASHBOARDS.glob("*.json"))
+    assert files, "dashboards/*.json: no dashboards yet (the dashboards part writes them; the chart ships them)"
+    return files
+
+
+def test_the_one_sources_exist():
+    assert dashboard_files()
+    assert RULES.is_file(), "dashboards/alerts.rules.yaml is missing"
+    assert yaml.safe_load(RULES.read_text())["groups"], "the rule file has no groups"
+    link = chart.CHART / "files" / "dashboards"
+    assert link.is_symlink() and link.resolve() == DASHBOARDS.resolve()
+
+
+def _check_endpoint(endpoint: dict[str, Any], port_names: set[str]) -> None:
+    assert endpoint["port"] in port_names, f"endpoint port {endpoint['port']} not among {port_names}"
+    assert endpoint["path"] == "/metrics"
+    for field in ("interval", "scrapeTimeout"):
+        assert DURATION.match(endpoint[field]), endpoint[field]
+    assert set(endpoint) <= {"port", "path", "interval", "scrapeTimeout", "scheme", "relabelings",
+                             "metricRelabelings", "honorLabels"}
+
+
+def _selected(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    return bool(selector["matchLabels"]) and all(labels.get(k) == v for k, v in selector["matchLabels"].items())
+
+
+def test_engine_service_monitor_selects_the_engine_service(default):
+    monitor = chart.one(default, "ServiceMonitor", "-engine")
+    assert monitor["apiVersion"] == CRD_API
+    spec = monitor["spec"]
+    assert set(spec) == {"jobLabel", "namespaceSelector", "selector", "endpoints"}
+    service = chart.one(default, "Service", "-engine")
+    assert _selected(spec["selector"], service["metadata"]["labels"])
+    assert not _selected(spec["selector"], chart.one(default, "Service", "-master")["metadata"]["labels"])
+    assert spec["namespaceSelector"] == {"matchNames": [service["metadata"]["namespace"]]}
+    assert spec["jobLabel"] in service["metadata"]["labels"]
+    (endpoint,) = spec["endpoints"]
+    _check_endpoint(endpoint, {p["name"] for p in service["spec"]["ports"]})
+
+
+def test_master_pod_monitor_selects_the_master_pods(default):
+    monitor = chart.one(default, "PodMonitor", "-master")
+    assert monitor["apiVersion"] == CRD_API
+    spec = monitor["spec"]
+    assert set(spec) == {"jobLabel", "namespaceSelector", "selector", "podMetricsEndpoints"}
+    pod = chart.one(default, "Deployment", "-master")["spec"]["template"]
+    engine_pod = chart.one(default, "Deployment", "-engine")["spec"]["template"]
+    assert _selected(spec["selector"], pod["metadata"]["labels"])
+    assert not _selected(spec["selector"], engine_pod["metadata"]["labels"])
+    (endpoint,) = spec["podMetricsEndpoints"]
+    _check_endpoint(endpoint, {p["name"] for c in pod["spec"]["containers"] for p in c["ports"]})
+
+
+def test_master_service_monitor_variant_selects_the_master_service():
+    objects = chart.template([chart.ci_value_sets()["pipelined"]])
+    assert not chart.find(objects, "PodMonitor")
+    monitor = chart.one(objects, "ServiceMonitor", "-master")
+    service = chart.one(objects, "Service", "-master")
+    assert _selected(monitor["spec"]["selector"], service["metadata"]["labels"])
+    (endpoint,) = monitor["spec"]["endpoints"]
+    _check_endpoint(endpoint, {p["name"] for p in service["spec"]["ports"]})
+
+
+def test_monitor_labels_reach_the_objects():
+    objects = chart.template([chart.ci_value_sets()["async-budget"]])
+    for kind, suffix in (("ServiceMonitor", "-engine"), ("PrometheusRule", "")):
+        assert chart.one(objects, kind, suffix)["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+
+
+def test_prometheus_rule_is_the_rule_file(default):
+    rule = chart.one(default, "PrometheusRule")
+    assert rule["apiVersion"] == CRD_API and set(rule["spec"]) == {"groups"}
+    source = yaml.safe_load(RULES.read_text())
+    assert rule["spec"] == source
+    for group in rule["spec"]["groups"]:
+        assert group["name"] and group["rules"]
+        for r in group["rules"]:
+            assert set(r) <= {"alert", "record", "expr", "for", "labels", "annotations", "keep_firing_for"}
+            assert r["expr"] and ("alert" in r) != ("record" in r)
+            if "alert" in r:
+                assert r["labels"]["severity"] and r["annotations"]["runbook_url"]
+            if "for" in r:
+                assert DURATION.match(r["for"]), r["for"]
+
+
+def test_runbook_base_url_is_swapped_and_nothing_else():
+    base = "https://runbooks.example.com/mooncake-lookout/runbook.md"
+    objects = chart.template(sets={"monitoring.prometheusRule.runbookBaseUrl": json.dumps(base)})
+    rendered = chart.one(objects, "PrometheusRule")["spec"]
+    source = yaml.safe_load(RULES.read_text())
+    urls = []
+    for got_group, want_group in zip(rendered["groups"], source["groups"], strict=True):
+        for got, want in zip(got_group["rules"], want_group["rules"], strict=True):
+            if "alert" not in want:
+                assert got == want
+                continue
+            want_url = want["annotations"]["runbook_url"]
+            got_url = got["annotations"].pop("runbook_url")
+            want["annotations"].pop("runbook_url")
+            assert got_url == base + "#" + want_url.split("#", 1)[1]
+            urls.append(got_url)
+            assert got == want
+    assert urls
+
+
+def test_dashboard_configmaps_are_byte_identical_to_the_dashboards(default):
+    maps = [o for o in chart.find(default, "ConfigMap") if o["metadata"]["labels"].get("grafana_dashboard") == "1"]
+    by_file = {name: data for o in maps for name, data in o["data"].items()}
+    files = dashboard_files()
+    assert sorted(by_file) == [p.name for p in files]
+    for path in files:
+        assert by_file[path.name].encode() == path.read_bytes(), path.name
+        json.loads(by_file[path.name])
+    for o in maps:
+        assert len(o["metadata"]["name"]) <= 63 and len(o["data"]) == 1
+
+
+def test_dashboard_label_folder_and_namespace_follow_values():
+    objects = chart.template([chart.ci_value_sets()["pipelined"]])
+    maps = [o for o in chart.find(objects, "ConfigMap") if "grafana_dashboard" in o["metadata"]["labels"]]
+    assert len(maps) == len(dashboard_files())
+    for o in maps:
+        assert o["metadata"]["namespace"] == "monitoring"
+        assert o["metadata"]["annotations"]["grafana_folder"] == "Mooncake"
+    custom = chart.template(sets={"grafana.dashboards.label": '"my_dash"', "grafana.dashboards.labelValue": '"yes"'})
+    assert [o for o in chart.find(custom, "ConfigMap") if o["metadata"]["labels"].get("my_dash") == "yes"]
+
+
+def test_monitoring_off_renders_no_monitoring_objects():
+    objects = chart.template([chart.ci_value_sets()["monitoring-off"]])
+    assert not [o for o in objects if o["apiVersion"] == CRD_API]
+    assert not [o for o in chart.find(objects, "ConfigMap") if "grafana_dashboard" in o["metadata"]["labels"]]
+    kinds = {o["kind"] for o in objects}
+    assert {"Deployment", "Service", "ConfigMap", "ServiceAccount"} <= kinds
+
+
+def test_each_monitor_switches_off_alone():
+    for switch, gone in (("monitoring.serviceMonitor.enabled", ("ServiceMonitor", "-engine")),
+                         ("monitoring.masterMonitor.enabled", ("PodMonitor", "-master")),
+                         ("monitoring.prometheusRule.enabled", ("PrometheusRule", ""))):
+        objects = chart.template(sets={switch: "false"})
+        assert not chart.find(objects, *gone), switch
+        assert len([o for o in objects if o["apiVersion"] == CRD_API]) == 2, switch
+
+
+def test_rendered_rules_pass_promtool(tmp_path):
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool not found: install Debian's prometheus package (scripts/setup.sh does)"
+    objects = chart.template(sets={"monitoring.prometheusRule.runbookBaseUrl": '"https://runbooks.example.com/r.md"'})
+    path = tmp_path / "rendered.rules.yaml"
+    path.write_text(yaml.safe_dump(chart.one(objects, "PrometheusRule")["spec"]))
+    done = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -1,0 +1,353 @@
+"""PipelinedTransport against real servers: answers matched under load, deadlines, late replies, lazy pirate,
+a server killed and restarted with lookups in flight, store errors, and the LookupClient on top of it."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import pytest
+import zmq
+
+from mooncake_lookout.connector import protocol as p
+from mooncake_lookout.connector.burst import burst
+from mooncake_lookout.connector.client import LookupClient
+from mooncake_lookout.connector.config import LookupConfig
+from mooncake_lookout.connector.events import LookupRecord, NullObserver, Outcome
+from mooncake_lookout.connector.job import LookupJob
+from mooncake_lookout.connector.mooncake_master import EmbeddedMaster, open_store, open_writer_store
+from mooncake_lookout.connector.pipelined import PipelinedTransport
+from mooncake_lookout.connector.prefix_index import PrefixIndex
+from mooncake_lookout.connector.server import LookupServer
+from mooncake_lookout.connector.transport import TransportClosed
+from mooncake_lookout.connector.transports import make_transport
+from mooncake_lookout.connector.workload import shared_prefix_workload
+
+BLOCK = 16
+
+
+@pytest.fixture
+def index(prefix_index: PrefixIndex) -> PrefixIndex:
+    """The server's backend: a real PrefixIndex on the session's master, in a namespace of its own."""
+    return prefix_index
+
+
+@pytest.fixture
+def filler(prefix_index: PrefixIndex) -> PrefixIndex:
+    """Writes the keys lookups should find (the same index: one namespace)."""
+    return prefix_index
+
+
+@pytest.fixture
+def private_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "ipc"
+    d.mkdir(mode=0o700)
+    return d
+
+
+def _fill(filler: PrefixIndex, n: int, seed: int = 0) -> tuple[list[Any], list[int]]:
+    """``n`` requests of 8 own blocks; request i has its first ``i % 9`` blocks stored."""
+    reqs = shared_prefix_workload(n, prefix_blocks=0, unique_blocks=8, seed=1000 + seed)
+    filler.store_prefixes([r.block_hashes[: i % 9] for i, r in enumerate(reqs) if i % 9])
+    return reqs, [(i % 9) * BLOCK for i in range(n)]
+
+
+def _job(num_tokens: int, hashes: Sequence[bytes], timeout_s: float, req_id: str = "r") -> LookupJob:
+    now = time.perf_counter()
+    rec = LookupRecord(req_id, num_tokens, len(hashes), "pipelined", 0, now)
+    return LookupJob(rec, list(hashes), now + timeout_s, NullObserver())
+
+
+def _wait_all(jobs: Sequence[LookupJob], bound_s: float = 10.0) -> None:
+    deadline = time.perf_counter() + bound_s
+    for job in jobs:
+        assert job.done.wait(max(0.0, deadline - time.perf_counter())), "a job was never finished"
+
+
+def _poll(cond: Callable[[], bool], bound_s: float = 10.0) -> None:
+    deadline = time.perf_counter() + bound_s
+    while not cond():
+        assert time.perf_counter() < deadline, "condition not reached within the bound"
+        time.sleep(0.002)
+
+
+@pytest.fixture
+def silent_router(private_dir: Path) -> Iterator[tuple[zmq.Socket, str]]:
+    """A real ROUTER that reads requests and never answers: a wedged server."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    address = f"ipc://{private_dir}/silent.sock"
+    sock.bind(address)
+    yield sock, address
+    ctx.destroy(linger=0)
+
+
+def test_hundreds_in_flight_each_answer_matched(filler: PrefixIndex, index: PrefixIndex) -> None:
+    reqs, expected = _fill(filler, 400)
+    with LookupServer(index) as server:
+        transport = PipelinedTransport(server.address, timeout_s=10.0)
+        try:
+            jobs = [_job(r.num_tokens, r.block_hashes, 10.0, r.req_id) for r in reqs]
+            for job in jobs:
+                transport.submit(job)
+            _wait_all(jobs)
+        finally:
+            transport.close()
+    assert [j.answer.result.hit_length for j in jobs] == expected  # type: ignore[union-attr]
+    assert {j.answer.outcome for j in jobs} == {Outcome.HIT, Outcome.MISS}  # type: ignore[union-attr]
+    assert index.store_calls < len(reqs)
+    assert transport.late_replies == 0
+
+
+def test_late_and_unknown_replies_are_dropped_and_counted(filler: PrefixIndex, index: PrefixIndex,
+                                                          silent_router: tuple[zmq.Socket, str]) -> None:
+    reqs, _ = _fill(filler, 4)
+
+    class Slow:  # the real index behind an INJECTED delay longer than the lookups' deadline
+        def lookup_many(self, queries: Any) -> Any:
+            time.sleep(0.3)
+            return index.lookup_many(queries)
+
+        def lookup(self, n: int, h: Any) -> Any:
+            return self.lookup_many([(n, h)])[0]
+
+        def reset(self) -> bool:
+            return index.reset()
+
+    late: list[int] = []
+    with LookupServer(Slow()) as server:
+        # timeout_s (server silence before a rebuild) is longer than the jobs' deadline here, so the
+        # socket stays and the late replies do arrive.
+        transport = PipelinedTransport(server.address, timeout_s=5.0, on_late_reply=lambda: late.append(1))
+        try:
+            jobs = [_job(r.num_tokens, r.block_hashes, 0.05) for r in reqs]
+            for job in jobs:
+                transport.submit(job)
+            _wait_all(jobs)
+            assert {j.answer.outcome for j in jobs} == {Outcome.TIMEOUT}  # type: ignore[union-attr]
+            _poll(lambda: transport.late_replies == len(reqs))
+            assert len(late) == len(reqs)
+        finally:
+            transport.close()
+
+    # A reply carrying an id nobody sent is counted the same way; the job still ends by its deadline.
+    router, address = silent_router
+    transport = PipelinedTransport(address, timeout_s=5.0)
+    try:
+        job = _job(reqs[0].num_tokens, reqs[0].block_hashes, 0.5)
+        transport.submit(job)
+        assert router.poll(5000)
+        identity, *_ = router.recv_multipart()
+        router.send_multipart([identity, p.encode_status(987654, p.OK)])
+        router.send_multipart([identity, b"\xc1 not msgpack"])
+        _poll(lambda: transport.late_replies == 2)
+        _wait_all([job])
+        assert job.answer.outcome is Outcome.TIMEOUT  # type: ignore[union-attr]
+    finally:
+        transport.close()
+
+
+def test_silent_server_rebuilds_the_socket_and_a_new_server_is_reached(
+        filler: PrefixIndex, index: PrefixIndex, silent_router: tuple[zmq.Socket, str]) -> None:
+    reqs, expected = _fill(filler, 9)
+    router, address = silent_router
+    rebuilt: list[int] = []
+    transport = PipelinedTransport(address, timeout_s=0.1, on_rebuild=lambda: rebuilt.append(1))
+    try:
+        jobs = [_job(r.num_tokens, r.block_hashes, 0.1) for r in reqs]
+        for job in jobs:
+            transport.submit(job)
+        _wait_all(jobs)
+        assert {j.answer.outcome for j in jobs} == {Outcome.TIMEOUT}  # type: ignore[union-attr]
+        _poll(lambda: transport.rebuilds >= 1)
+        assert rebuilt
+        router.close(linger=0)
+        os.unlink(address.removeprefix("ipc://"))
+        with LookupServer(index, address):
+            job = _job(reqs[8].num_tokens, reqs[8].block_hashes, 5.0)
+            transport.submit(job)
+            _wait_all([job])
+            assert job.answer.result.hit_length == expected[8]  # type: ignore[union-attr]
+    finally:
+        transport.close()
+
+
+def _start_serve(master: EmbeddedMaster, address: str, namespace: str) -> subprocess.Popen[str]:
+    """``mooncake-lookout serve`` as its own process; returns once it prints its address."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mooncake_lookout.connector.serve_cli", "--master", master.rpc_address,
+         "--address", address, "--namespace", namespace, "--log-level", "WARNING"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        assert _read_line(proc, "listening on ").split()[-1] == address
+    except BaseException:
+        _kill(proc)
+        raise
+    return proc
+
+
+def _read_line(proc: subprocess.Popen[str], prefix: str, bound_s: float = 60.0) -> str:
+    """The first stdout line of ``proc`` starting with ``prefix``, waited for at most ``bound_s``."""
+    lines: queue.Queue[str] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+            if line.startswith(prefix):
+                return  # stop reading; the rest of stdout is not ours to consume
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.perf_counter() + bound_s
+    while True:
+        remaining = deadline - time.perf_counter()
+        assert remaining > 0 and proc.poll() is None, f"no {prefix!r} line (exit code {proc.poll()})"
+        try:
+            line = lines.get(timeout=min(remaining, 0.5))
+        except queue.Empty:
+            continue
+        if line.startswith(prefix):
+            return line.strip()
+
+
+def _kill(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+def test_server_killed_and_restarted_with_lookups_in_flight(private_master: EmbeddedMaster, private_dir: Path,
+                                                             request: pytest.FixtureRequest) -> None:
+    master, namespace = private_master, "killed"
+    writer = open_writer_store(master.rpc_address)  # holds the values: keep it open for the whole test
+    request.addfinalizer(writer.close)
+    reqs, expected = _fill(PrefixIndex(writer, BLOCK, namespace), 300)
+    address = f"ipc://{private_dir}/lookup.sock"
+    server = _start_serve(master, address, namespace)
+    transport = PipelinedTransport(address, timeout_s=0.5)
+    try:
+        master.pause()  # the server's store calls hang: the lookups are surely in flight when it dies
+        try:
+            first = [_job(r.num_tokens, r.block_hashes, 0.5) for r in reqs]
+            for job in first:
+                transport.submit(job)
+            _kill(server)  # SIGKILL with lookups in flight
+        finally:
+            master.resume()
+        _wait_all(first)  # every one ends by its deadline, none hangs
+        assert {j.answer.outcome for j in first} == {Outcome.TIMEOUT}  # type: ignore[union-attr]
+        server = _start_serve(master, address, namespace)
+        second = [_job(r.num_tokens, r.block_hashes, 5.0) for r in reqs]
+        for job in second:
+            transport.submit(job)
+        _wait_all(second)
+        assert [j.answer.result.hit_length for j in second] == expected  # type: ignore[union-attr]
+        assert {j.answer.outcome for j in second} <= {Outcome.HIT, Outcome.MISS}  # type: ignore[union-attr]
+    finally:
+        transport.close()
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=15)
+        finally:
+            _kill(server)
+    assert server.returncode == 0  # the restarted server stopped cleanly on SIGTERM
+
+
+def test_store_error_is_an_error_with_its_reason(private_master: EmbeddedMaster) -> None:
+    """A real store fault: the master is paused, so batch_is_exist times out with an error code."""
+    master = private_master
+    store = open_store(master.rpc_address, rpc_timeout_ms=300)
+    try:
+        index = PrefixIndex(store, BLOCK, f"perr{os.getpid()}")
+        req = shared_prefix_workload(1, prefix_blocks=0, unique_blocks=4, seed=7)[0]
+        with LookupServer(index) as server:
+            transport = PipelinedTransport(server.address, timeout_s=10.0)
+            try:
+                master.pause()
+                try:
+                    job = _job(req.num_tokens, req.block_hashes, 10.0)
+                    transport.submit(job)
+                    _wait_all([job], 15)
+                finally:
+                    master.resume()
+            finally:
+                transport.close()
+        assert job.answer.outcome is Outcome.ERROR  # type: ignore[union-attr]
+        assert "batch_is_exist" in (job.answer.error or "")  # type: ignore[union-attr]
+    finally:
+        store.close()
+
+
+def test_close_fails_what_is_left_and_refuses_more(silent_router: tuple[zmq.Socket, str]) -> None:
+    _, address = silent_router
+    transport = PipelinedTransport(address, timeout_s=30.0, max_inflight=2)
+    jobs = [_job(64, [b"h" * 32], 30.0) for _ in range(3)]
+    for job in jobs:
+        transport.submit(job)
+    _poll(lambda: jobs[2].answer is not None)
+    assert jobs[2].answer.outcome is Outcome.REJECTED  # type: ignore[union-attr]  # over max_inflight
+    transport.close()
+    _wait_all(jobs[:2], 1.0)
+    assert {j.answer.error for j in jobs[:2]} == {"transport closed"}  # type: ignore[union-attr]
+    assert not transport.reset(1.0)
+    with pytest.raises(TransportClosed):
+        transport.submit(_job(64, [b"h" * 32], 1.0))
+    transport.close()  # idempotent
+
+
+def test_lookup_client_over_pipelined_burst_and_reset(filler: PrefixIndex, index: PrefixIndex) -> None:
+    reqs, expected = _fill(filler, 256, seed=3)
+    config = LookupConfig(lookup_transport="pipelined", lookup_async=True, lookup_timeout_ms=5000)
+    with LookupServer(index) as server:
+        clients: list[LookupClient] = []
+
+        def factory() -> LookupClient:
+            clients.append(LookupClient(config, make_transport(config, server.address)))
+            return clients[-1]
+
+        result = burst(factory, requests=reqs)
+        assert result.n == 256 and result.hit_tokens == sum(expected)
+        assert index.store_calls < 256
+
+        client = LookupClient(config, PipelinedTransport(server.address, timeout_s=config.timeout_s))
+        try:
+            r = reqs[8]
+            _poll(lambda: client.lookup(r.req_id, r.num_tokens, list(r.block_hashes), non_block=True) is not None)
+            assert client.lookup(r.req_id, r.num_tokens, list(r.block_hashes)).hit_length == expected[8]
+            assert client.reset()
+            assert client.lookup(r.req_id, r.num_tokens, list(r.block_hashes)).hit_length == 0  # wiped
+        finally:
+            client.close()
+
+
+def test_transport_reset_is_fenced_behind_earlier_lookups(filler: PrefixIndex, index: PrefixIndex) -> None:
+    reqs, expected = _fill(filler, 9, seed=4)
+    with LookupServer(index) as server:
+        transport = PipelinedTransport(server.address, timeout_s=5.0)
+        try:
+            before = [_job(r.num_tokens, r.block_hashes, 5.0) for r in reqs]
+            for job in before:
+                transport.submit(job)
+            results: list[bool] = []
+            resetter = threading.Thread(target=lambda: results.append(transport.reset(5.0)))
+            resetter.start()
+            resetter.join(10)
+            assert results == [True]
+            _wait_all(before)
+            assert [j.answer.result.hit_length for j in before] == expected  # type: ignore[union-attr]
+            after = _job(reqs[8].num_tokens, reqs[8].block_hashes, 5.0)
+            transport.submit(after)
+            _wait_all([after])
+            assert after.answer.outcome is Outcome.MISS  # type: ignore[union-attr]
+        finally:
+            transport.close()

@@ -1,0 +1,228 @@
+"""The connector inside vLLM 0.33's real V1 scheduler, against real lookup servers over a real Mooncake master.
+
+Each test builds a real ``VllmConfig`` with ``LookoutMooncakeStoreConnector`` (tiny local model config,
+no download), runs vLLM's ``Scheduler`` with ``schedule()`` / ``update_from_output()``, and checks what
+the scheduler did with the lookups. Every test runs with both transports: ``upstream`` (vLLM's own
+``LookupKeyServer``) and ``pipelined`` (our ``LookupServer``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from contextlib import ExitStack
+from typing import Any, Iterator
+
+import pytest
+
+from mooncake_lookout.connector.events import NullObserver, Outcome, OutcomeCounter
+from mooncake_lookout.connector.scheduler_driver import BLOCK_SIZE, SchedulerDriver, make_vllm_config
+
+_ports = itertools.count(1000)
+TRANSPORTS = ("upstream", "pipelined")
+
+
+class CallTimer(NullObserver):
+    """Records how long each scheduler call spent in the lookup path."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, float]] = []
+
+    def scheduler_call(self, mode: str, seconds: float) -> None:
+        self.calls.append((mode, seconds))
+
+
+class Stack:
+    """A lookup server of the chosen transport over ``index``, and a scheduler driver using it."""
+
+    def __init__(self, transport: str, index: Any, rpc_base_path: str, **extra: Any) -> None:
+        self._exit = ExitStack()
+        self.index = index
+        extra = {"lookup_transport": transport, "lookup_rpc_port": next(_ports), "load_async": False, **extra}
+        if transport == "pipelined":
+            from mooncake_lookout.connector.server import LookupServer
+
+            server = self._exit.enter_context(LookupServer(index, "tcp://127.0.0.1:0"))
+            extra["lookup_server_address"] = server.address
+        self.vllm_config = make_vllm_config(extra)
+        if transport == "upstream":
+            from mooncake_lookout.connector.upstream_server import UpstreamLookupServer
+
+            server = UpstreamLookupServer(index, self.vllm_config).start()
+            self._exit.callback(server.stop)
+        self.server = server
+        self.driver = SchedulerDriver(self.vllm_config, num_blocks=extra.pop("num_blocks", 4096))
+        self._exit.callback(self.driver.close)
+        self.client = self.driver.connector.lookup_client
+        self.counter = OutcomeCounter()
+        self.timer = CallTimer()
+        self.client.observers.add(self.counter)
+        self.client.observers.add(self.timer)
+
+    def prompt(self, seed: int, tokens: int) -> list[int]:
+        return [(seed * 7919 + i) % 50000 + 1 for i in range(tokens)]
+
+    def cache(self, prompt: list[int], blocks: int | None = None) -> None:
+        hashes = self.driver.block_hashes(prompt)
+        self.index.store_prefixes([hashes[:blocks] if blocks is not None else hashes])
+
+    def close(self) -> None:
+        self._exit.close()
+
+
+@pytest.fixture(params=TRANSPORTS)
+def stack_factory(request, prefix_index, rpc_base_path) -> Iterator[Any]:
+    stacks: list[Stack] = []
+
+    def make(index: Any = None, **extra: Any) -> Stack:
+        s = Stack(request.param, index or prefix_index, rpc_base_path, **extra)
+        stacks.append(s)
+        return s
+
+    yield make
+    for s in stacks:
+        s.close()
+
+
+@pytest.mark.parametrize("mode", [
+    {"lookup_async": False},
+    {"lookup_async": True},
+    {"lookup_async": True, "lookup_wait_us": 20_000},
+], ids=["sync", "async", "budget"])
+def test_hits_are_honoured_and_no_request_is_lost(stack_factory, mode) -> None:
+    s = stack_factory(**mode)
+    expected = {}
+    for i in range(24):
+        prompt = s.prompt(i, 100 + 7 * i)
+        cached_blocks = i % 5  # 0..4 blocks cached
+        if cached_blocks:
+            s.cache(prompt, cached_blocks)
+        expected[f"r{i}"] = cached_blocks * BLOCK_SIZE
+        s.driver.add(s.driver.make_request(f"r{i}", prompt))
+    stats = s.driver.run_until_idle(max_steps=2000)
+    assert sorted(stats.finished) == sorted(expected), "a request was lost or starved"
+    assert stats.computed_at_admission == expected
+    assert s.client.pending == 0
+    assert s.counter.count(Outcome.HIT) == sum(1 for v in expected.values() if v)
+
+
+def test_sync_mode_never_defers(stack_factory) -> None:
+    s = stack_factory(lookup_async=False, lookup_on_admission=False)
+    for i in range(8):
+        s.driver.add(s.driver.make_request(f"r{i}", s.prompt(i, 80)))
+    s.driver.run_until_idle(500)
+    assert s.counter.deferrals == 0
+    assert {m for m, _ in s.timer.calls} == {"sync"}
+
+
+def test_async_mode_defers_and_the_budget_removes_deferrals(stack_factory) -> None:
+    plain = stack_factory(lookup_async=True, lookup_on_admission=False)
+    for i in range(8):
+        plain.driver.add(plain.driver.make_request(f"a{i}", plain.prompt(i, 80)))
+    plain.driver.run_until_idle(500)
+    assert plain.counter.deferrals >= 1  # upstream's async: the first ask cannot have the answer yet
+
+    budget = stack_factory(lookup_async=True, lookup_on_admission=False, lookup_wait_us=100_000)
+    for i in range(8):
+        budget.driver.add(budget.driver.make_request(f"b{i}", budget.prompt(i, 80)))
+    budget.driver.run_until_idle(500)
+    assert budget.counter.deferrals < plain.counter.deferrals
+    assert {m for m, _ in budget.timer.calls} == {"budget"}
+
+
+def test_a_hung_store_never_holds_a_request_past_the_deadline(stack_factory, private_master) -> None:
+    """The store hangs (master SIGSTOPped): each request still gets an answer by its deadline plus a step."""
+    from mooncake_lookout.connector.mooncake_master import open_store
+    from mooncake_lookout.connector.prefix_index import PrefixIndex
+
+    store = open_store(private_master.rpc_address, rpc_timeout_ms=30_000)
+    try:
+        s = stack_factory(index=PrefixIndex(store, BLOCK_SIZE, namespace="hung"), lookup_async=True,
+                          lookup_timeout_ms=100, lookup_breaker_failures=1000)
+        private_master.pause()
+        added = {}
+        for i in range(4):
+            req = s.driver.make_request(f"h{i}", s.prompt(i, 64))
+            added[req.request_id] = time.perf_counter()
+            s.driver.add(req)
+        first_seen: dict[str, float] = {}
+        end = time.monotonic() + 10
+        while len(first_seen) < 4 and time.monotonic() < end:
+            out = s.driver.step()
+            for new in out.scheduled_new_reqs:
+                first_seen.setdefault(new.req_id, time.perf_counter())
+            time.sleep(0.005)
+        private_master.resume()
+        assert len(first_seen) == 4, "a request was held past the deadline"
+        for req_id, t in first_seen.items():
+            assert t - added[req_id] < 0.100 + 0.5, f"{req_id} waited {t - added[req_id]:.3f}s"
+        assert max(sec for _, sec in s.timer.calls) < 0.100 + 0.005
+    finally:
+        store.close()
+
+
+def test_abort_discards_pending_lookups(stack_factory, private_master) -> None:
+    s = stack_factory(lookup_async=True)
+    for i in range(16):
+        s.driver.add(s.driver.make_request(f"x{i}", s.prompt(i, 96)))
+    assert s.client.pending > 0 or s.counter.count(*Outcome) > 0
+    s.driver.abort([f"x{i}" for i in range(16)])
+    assert s.client.pending == 0
+    assert s.driver.scheduler.get_num_unfinished_requests() == 0
+
+
+def test_preemption_discards_and_requeries(stack_factory) -> None:
+    s = stack_factory(lookup_async=False, num_blocks=24)
+    for i in range(6):
+        s.driver.add(s.driver.make_request(f"p{i}", s.prompt(i, 48), max_tokens=60))
+    preempted = 0
+    for _ in range(3000):
+        if s.driver.scheduler.get_num_unfinished_requests() == 0:
+            break
+        out = s.driver.step()
+        preempted += len(out.preempted_req_ids or ())
+    assert preempted > 0, "the small KV cache did not force a preemption"
+    assert len(s.driver.stats.finished) == 6
+    assert s.client.pending == 0
+    ended = s.counter.count(*Outcome)
+    assert ended >= 6 + preempted, "a preempted request was not looked up again when it came back"
+
+
+def test_reused_request_id_gets_a_fresh_answer(stack_factory) -> None:
+    s = stack_factory(lookup_async=False)
+    prompt = s.prompt(1, 80)
+    s.cache(prompt)
+    s.driver.add(s.driver.make_request("same", prompt))
+    s.driver.run_until_idle(200)
+    assert s.driver.stats.computed_at_admission["same"] == 64  # 80 tokens: 5 blocks cached, capped to 4
+    s.index.remove_all(force=True)
+    s.driver.stats.computed_at_admission.clear()
+    # One idle step delivers the finished id to the connector. (Upstream's build_connector_meta asserts if a
+    # finished id is re-added before that step: a vLLM 0.33 limitation we note, not one we can fix here.)
+    s.driver.step()
+    s.driver.add(s.driver.make_request("same", prompt))
+    s.driver.run_until_idle(200)
+    # vLLM's local prefix cache now holds the prompt, so look at what the store lookup answered.
+    answers = [r.hit_tokens for r in s.counter.records if r.req_id == "same"]
+    assert answers == [64, 0], "the reused id was served its old answer"
+
+
+def test_bad_config_fails_at_start_naming_the_key() -> None:
+    from mooncake_lookout.connector.config import ConfigError
+
+    with pytest.raises(ConfigError, match="lookup_timout_ms"):
+        SchedulerDriver(make_vllm_config({"lookup_timout_ms": 5}))
+    with pytest.raises(ConfigError, match="lookup_transport"):
+        SchedulerDriver(make_vllm_config({"lookup_transport": "carrier-pigeon"}))
+
+
+def test_registered_name_alone_loads_the_connector() -> None:
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # runs our entry point, as vLLM does at start-up
+    config = make_vllm_config({"lookup_async": True}, module_path=None)
+    driver = SchedulerDriver(config)
+    try:
+        assert type(driver.connector).__name__ == "LookoutMooncakeStoreConnector"
+    finally:
+        driver.close()

@@ -1,0 +1,288 @@
+"""Lookup figures through vLLM's own stats pipeline: collector -> KVConnectorStats -> wire -> Prometheus logger."""
+
+from __future__ import annotations
+
+import pickle
+import re
+import shutil
+import subprocess
+import threading
+import time
+from typing import Any, Iterator
+
+import pytest
+from prometheus_client import REGISTRY, generate_latest
+
+from mooncake_lookout.connector.events import LookupRecord, ObserverSet, Outcome
+from mooncake_lookout.metrics import catalogue as cat
+from mooncake_lookout.metrics.vllm_stats import (
+    STATS_KEY, LookoutLookupStats, LookoutPromMetrics, LookupStatsCollector,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.metrics import MooncakeStoreConnectorStats
+from vllm.v1.metrics.stats import SchedulerStats
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+
+def _lifecycle(obs: Any, req_id: str, outcome: Outcome, *, tokens: int = 64, hit: int = 0,
+               deferrals: int = 0) -> None:
+    """Events of one lookup as the client emits them on the scheduler thread (timings set by hand)."""
+    rec = LookupRecord(req_id, tokens, tokens // 16, "pipelined", 0, 10.0)
+    obs.submitted(rec)
+    rec.t_start, rec.t_answer = 10.0001, 10.0006
+    for _ in range(deferrals):
+        rec.deferrals += 1
+        obs.deferred(rec)
+    rec.t_consume = 10.002
+    if outcome is Outcome.DISCARDED:
+        rec.outcome = outcome
+        obs.discarded(rec)
+    else:
+        rec.outcome, rec.hit_tokens = outcome, hit
+        obs.consumed(rec)
+
+
+def _upstream_op(duration: float = 0.002) -> dict[str, Any]:
+    return {"duration_seconds": duration, "num_keys": 4, "num_bytes": 4096, "status": "ok", "num_failed_keys": 0}
+
+
+# -- the collector and the stats object -------------------------------------------------------------------
+
+
+def test_collector_fills_one_record_per_step_and_tracks_pending() -> None:
+    collector = LookupStatsCollector()
+    assert collector.take().is_empty()  # a quiet step ships nothing
+    obs = ObserverSet([collector])
+    _lifecycle(obs, "a", Outcome.HIT, hit=48, deferrals=2)
+    rec = LookupRecord("b", 32, 2, "pipelined", 0, 10.0)
+    obs.submitted(rec)  # still pending at the end of the step
+    obs.scheduler_call("async", 3e-5)
+    obs.breaker_changed(True)
+    step1 = collector.take()
+    [s] = step1.lookup_steps()
+    assert s[cat.REQUESTS.key] == {"hit": 1}
+    assert s[cat.QUERIED_TOKENS.key] == 64 and s[cat.HIT_TOKENS.key] == 48
+    assert s[cat.DEFERRALS.key] == 2 and s[cat.DEFERRED_STEPS.key] == [2]
+    assert s[cat.PENDING.key] == 1 and s[cat.BREAKER_OPEN.key] == 1
+    assert s[cat.RPC_SECONDS.key] == [pytest.approx(0.0005)]
+    assert s[cat.SCHEDULER_BLOCKED_SECONDS.key] == {"async": [3e-5]}
+    rec.outcome = Outcome.DISCARDED
+    obs.discarded(rec)
+    [s2] = collector.take().lookup_steps()
+    assert s2[cat.REQUESTS.key] == {"discarded": 1} and s2[cat.PENDING.key] == 0
+    assert cat.BREAKER_OPEN.key not in s2  # a gauge travels only when it changed
+
+
+def test_late_replies_counted_from_another_thread() -> None:
+    collector = LookupStatsCollector()
+    t = threading.Thread(target=lambda: [collector.late_reply() for _ in range(500)])
+    t.start()
+    t.join(10)
+    [s] = collector.take().lookup_steps()
+    assert s[cat.LATE_REPLIES.key] == 500
+    assert collector.take().is_empty()  # counted once
+
+
+def test_payload_survives_vllm_wire_formats() -> None:
+    collector = LookupStatsCollector()
+    obs = ObserverSet([collector])
+    _lifecycle(obs, "a", Outcome.MISS)
+    _lifecycle(obs, "b", Outcome.TIMEOUT, deferrals=3)
+    obs.scheduler_call("budget", 1e-4)
+    payload = collector.take().to_dict()
+    stats = SchedulerStats(kv_connector_stats=payload)
+    decoded = MsgpackDecoder(SchedulerStats).decode(MsgpackEncoder().encode(stats))
+    assert decoded.kv_connector_stats == payload
+    assert pickle.loads(pickle.dumps(payload)) == payload
+    assert LookoutLookupStats(data=decoded.kv_connector_stats).reduce()["lookup_timeout"] == 1
+
+
+@pytest.mark.parametrize("ours_first", [True, False])
+def test_aggregates_with_upstream_worker_stats_either_way(ours_first: bool) -> None:
+    """vLLM calls ``worker_stats.aggregate(scheduler_stats)``: upstream's class must keep our records too."""
+    collector = LookupStatsCollector()
+    _lifecycle(collector, "a", Outcome.HIT, hit=16)
+    ours: KVConnectorStats = collector.take()
+    upstream = MooncakeStoreConnectorStats()
+    upstream.record_operation("lookup_exists", 0.002, 4, num_bytes=4096)
+    merged = ours.aggregate(upstream) if ours_first else upstream.aggregate(ours)
+    data = merged.to_dict()
+    assert len(data[STATS_KEY]) == 1 and len(data["lookup_exists"]) == 1
+    more = LookupStatsCollector()
+    _lifecycle(more, "b", Outcome.MISS)
+    both = LookoutLookupStats(data=data).aggregate(more.take())
+    reduced = both.reduce()
+    assert reduced["lookups"] == 2 and reduced["lookup_hit"] == 1 and reduced["lookup_miss"] == 1
+    assert reduced["lookup_exists_count"] == 1  # upstream's own summary is kept
+
+
+# -- vLLM's Prometheus logger path -------------------------------------------------------------------------
+
+
+def _vllm_config(extra: dict[str, Any]) -> Any:
+    from mooncake_lookout.connector.scheduler_driver import make_vllm_config
+
+    return make_vllm_config(extra)
+
+
+def _scrape_vllm_registry() -> str:
+    return generate_latest(REGISTRY).decode()
+
+
+def _labels(**labels: str) -> str:
+    """Label text as the exposition writes it (sorted by name)."""
+    return "{" + ",".join(f'{k}="{labels[k]}"' for k in sorted(labels)) + "}"
+
+
+def _series(text: str, name: str) -> dict[str, float]:
+    """Samples of one series name in a text exposition: {label text: value}."""
+    out = {}
+    for m in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", text, re.M):
+        out[m.group(1) or ""] = float(m.group(2))
+    return out
+
+
+def test_prom_metrics_carry_model_and_engine_labels() -> None:
+    """LookoutPromMetrics on vLLM's own metric classes, two engines, info from the extra config."""
+    from prometheus_client import Counter, Gauge, Histogram
+    from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+
+    unregister_vllm_metrics()
+    cfg = _vllm_config({"lookup_async": True, "lookup_wait_us": 200, "lookup_transport": "pipelined"})
+    prom = LookoutPromMetrics(cfg, {Gauge: Gauge, Counter: Counter, Histogram: Histogram},
+                              ["model_name", "engine"], {0: ["tiny", "0"], 1: ["tiny", "1"]})
+    collector = LookupStatsCollector()
+    _lifecycle(collector, "a", Outcome.HIT, hit=32, deferrals=1)
+    collector.scheduler_call("budget", 5e-5)
+    data = collector.take().aggregate(_wrap_upstream()).to_dict()
+    prom.observe(data, engine_idx=1)
+    text = _scrape_vllm_registry()
+    hits = _series(text, cat.REQUESTS.name + "_total")
+    assert hits['{engine="1",model_name="tiny",outcome="hit"}'] == 1
+    assert hits['{engine="0",model_name="tiny",outcome="hit"}'] == 0
+    info = _series(text, cat.INFO.name)
+    assert any('mode="budget"' in k and 'transport="pipelined"' in k and 'engine="0"' in k for k in info)
+    blocked = _series(text, cat.SCHEDULER_BLOCKED_SECONDS.name + "_count")
+    assert blocked['{engine="1",mode="budget",model_name="tiny"}'] == 1
+    # Upstream's store-operation records in the same payload still reach upstream's metrics.
+    assert _series(text, "vllm:mooncake_store_operation_total")
+    unregister_vllm_metrics()
+
+
+def _wrap_upstream() -> MooncakeStoreConnectorStats:
+    upstream = MooncakeStoreConnectorStats()
+    upstream.record_operation("lookup_exists", 0.002, 4, num_bytes=4096)
+    return upstream
+
+
+# -- vLLM's real scheduler, the wire and vLLM's PrometheusStatLogger ----------------------------------------
+
+from mooncake_lookout.connector.vllm_connector import LookoutMooncakeStoreConnector  # noqa: E402
+from mooncake_lookout.metrics.vllm_stats import build_kv_connector_stats, build_prom_metrics  # noqa: E402
+
+TEST_CONNECTOR = "LookoutStatsWiredConnector"
+
+
+class LookoutStatsWiredConnector(LookoutMooncakeStoreConnector):
+    """The connector with this part's stats wiring (what vllm_connector.py is asked to adopt, see docs/metrics.md)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.lookup_stats = LookupStatsCollector()
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.observers.add(self.lookup_stats)
+
+    def get_kv_connector_stats(self) -> Any:
+        if self.connector_scheduler is not None:
+            return self.lookup_stats.take()
+        return super().get_kv_connector_stats()
+
+    build_kv_connector_stats = classmethod(lambda cls, data=None: build_kv_connector_stats(data))
+    build_prom_metrics = classmethod(lambda cls, *args: build_prom_metrics(*args))
+
+
+@pytest.fixture
+def lookup_server(prefix_index: Any) -> Iterator[Any]:
+    from mooncake_lookout.connector.server import LookupServer
+
+    with LookupServer(prefix_index) as server:
+        yield server
+
+
+def test_scheduler_stats_reach_vllm_prometheus_logger(prefix_index: Any, lookup_server: Any) -> None:
+    from mooncake_lookout.connector.scheduler_driver import SchedulerDriver, make_vllm_config
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    # load_async=False (upstream's key): hits load within the step; no worker here reports async loads done.
+    cfg = make_vllm_config({"lookup_async": True, "lookup_transport": "pipelined", "load_async": False,
+                            "lookup_server_address": lookup_server.address},
+                           connector=TEST_CONNECTOR, module_path=__name__)
+    driver = SchedulerDriver(cfg, num_blocks=1024)
+    try:
+        prom_logger = PrometheusStatLogger(cfg, engine_indexes=[0])  # builds our metrics via build_prom_metrics
+        prompts = {f"req-{i}": [1000 * i + t for t in range(80)] for i in range(6)}  # 5 blocks each
+        warm = [r for i, r in enumerate(prompts) if i % 2 == 0]
+        prefix_index.store_prefixes(driver.block_hashes(prompts[r])[:4] for r in warm)  # 64 tokens each
+        for req_id, prompt in prompts.items():
+            driver.add(driver.make_request(req_id, prompt, max_tokens=2))
+        encoder, decoder = MsgpackEncoder(), MsgpackDecoder(SchedulerStats)
+        shipped = 0
+        for _ in range(2000):  # bounded: lookups take ~1 ms, the run a few dozen steps
+            if not driver.scheduler.has_requests():
+                break
+            out = driver.scheduler.schedule()
+            req_ids = list(out.num_scheduled_tokens)
+            runner = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                       sampled_token_ids=[[1] for _ in req_ids])
+            for eco in driver.scheduler.update_from_output(out, runner).values():
+                if eco.scheduler_stats is None:
+                    continue
+                # The engine core ships SchedulerStats to the API server as msgpack; do the same.
+                stats = decoder.decode(encoder.encode(eco.scheduler_stats))
+                shipped += bool(stats.kv_connector_stats)
+                prom_logger.record(stats, None, engine_idx=0)
+            time.sleep(0.001)  # a model step's worth of time, so answers arrive while requests wait
+        assert not driver.scheduler.has_requests()
+        assert shipped > 0
+    finally:
+        driver.close()
+
+    text = _scrape_vllm_registry()
+    engine = {"engine": "0", "model_name": cfg.model_config.served_model_name}
+
+    def value(spec: cat.MetricSpec, suffix: str = "", **labels: str) -> float:
+        return _series(text, spec.name + suffix)[_labels(**engine, **labels)]
+
+    assert value(cat.REQUESTS, "_total", outcome="hit") == len(warm)
+    assert value(cat.REQUESTS, "_total", outcome="miss") == len(prompts) - len(warm)
+    for outcome in set(cat.OUTCOMES) - {"hit", "miss"}:
+        assert value(cat.REQUESTS, "_total", outcome=outcome) == 0
+    assert value(cat.HIT_TOKENS, "_total") == 64 * len(warm)
+    assert value(cat.QUERIED_TOKENS, "_total") == 80 * len(prompts)
+    assert value(cat.PENDING) == 0
+    assert value(cat.SECONDS, "_count") == len(prompts)
+    assert value(cat.RPC_SECONDS, "_count") == len(prompts)
+    assert value(cat.SCHEDULER_BLOCKED_SECONDS, "_count", mode="async") >= len(prompts)
+    assert value(cat.DEFERRED_STEPS, "_sum") == value(cat.DEFERRALS, "_total")
+    assert value(cat.INFO, transport="pipelined", lookup_async="true", mode="async", lookup_timeout_ms="100",
+                 lookup_max_pending="1024") == 1
+    # Request ids never become labels.
+    for req_id in prompts:
+        assert f'"{req_id}"' not in text
+    _assert_promtool_clean(text)
+
+
+def _assert_promtool_clean(text: str) -> None:
+    """``promtool check metrics`` flags only the colon of the ``vllm:`` prefix (vLLM's own names too)."""
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool not installed (Debian package prometheus)"
+    ours = "\n".join(line for line in text.splitlines() if cat.PREFIX in line) + "\n"
+    raw = subprocess.run([promtool, "check", "metrics"], input=ours, capture_output=True, text=True, timeout=60)
+    problems = [line for line in (raw.stdout + raw.stderr).splitlines()
+                if line.strip() and "metric names should not contain ':'" not in line]
+    assert problems == []
+    swapped = ours.replace(cat.PREFIX, cat.PREFIX.replace(":", "_"))
+    check = subprocess.run([promtool, "check", "metrics"], input=swapped, capture_output=True, text=True,
+                           timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
