@@ -141,8 +141,19 @@ class LookupConfig:
         return dataclasses.asdict(self)
 
 
+def render_config_table() -> str:
+    """The README's configuration table, rendered from :data:`KEYS` (a test keeps the README in step)."""
+    rows = ["| key | default | allowed | meaning |", "| --- | --- | --- | --- |"]
+    for k in KEYS:
+        default = "`" + (repr(k.default) if k.kind is str else str(k.default).lower() if k.kind is bool
+                         else str(k.default)) + "`"
+        allowed = k.rule or k.kind.__name__
+        rows.append(f"| `{k.name}` | {default} | {allowed} | {k.doc} |")
+    return "\n".join(rows)
+
+
 # The dataclass fields and KEYS must agree; fail at import, not in production.
 assert [f.name for f in dataclasses.fields(LookupConfig)] == [k.name for k in KEYS]
 assert all(f.default == KEYS_BY_NAME[f.name].default for f in dataclasses.fields(LookupConfig))
 
-__all__ = ["ConfigError", "KEYS", "KEYS_BY_NAME", "Key", "LookupConfig", "TRANSPORTS"]
+__all__ = ["ConfigError", "KEYS", "KEYS_BY_NAME", "Key", "LookupConfig", "TRANSPORTS", "render_config_table"]

@@ -121,6 +121,8 @@ class PipelinedTransport(Transport):
         self._last_reply = time.perf_counter()
         self._ctx = zmq.Context(io_threads=1)
         self._sock: zmq.Socket | None = None
+        self._poller = zmq.Poller()  # used by the IO thread only, like the socket
+        self._poller.register(self._waker.fd, zmq.POLLIN)
         self._thread = threading.Thread(target=self._loop, name="lookout-pipelined", daemon=True)
         self._thread.start()
 
@@ -180,8 +182,6 @@ class PipelinedTransport(Transport):
             self._on_rebuild()
 
     def _loop(self) -> None:
-        self._poller = zmq.Poller()
-        self._poller.register(self._waker.fd, zmq.POLLIN)
         self._socket()
         stopping = False
         while not stopping:

@@ -39,6 +39,15 @@ class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
                                    observer=observer)
         self.client.hit_block_size = self._block_size
         self.observers = self.client.observers
+        # vLLM's stats pipeline (served on vLLM's own /metrics) and, if OTEL_* asks for it, spans.
+        from mooncake_lookout.metrics.tracing import tracing_observer_from_env
+        from mooncake_lookout.metrics.vllm_stats import LookupStatsCollector
+
+        self.stats = LookupStatsCollector()
+        self.observers.add(self.stats)
+        tracer = tracing_observer_from_env()
+        if tracer is not None:
+            self.observers.add(tracer)
 
     def _lookup_align(self) -> int:
         return self._hash_block_size if self.enable_partial_hash_hits else self._block_size
@@ -71,6 +80,10 @@ class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
     def request_finished(self, request: Any) -> None:
         """A finished or aborted request: drop its lookup, sent or not."""
         self.client.discard(request.request_id)
+
+    def take_stats(self) -> Any:
+        """This step's lookup figures for vLLM's stats pipeline (called once per step)."""
+        return self.stats.take()
 
     def close(self) -> None:
         """Stop the lookup client and its transport."""

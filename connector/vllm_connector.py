@@ -61,6 +61,26 @@ class LookoutMooncakeStoreConnector(MooncakeStoreConnector):
             self.connector_scheduler.request_finished(request)
         return super().request_finished_all_groups(request, block_ids)
 
+    def get_kv_connector_stats(self) -> Any:
+        """Scheduler role: this step's lookup figures; worker role: upstream's store-operation stats."""
+        if isinstance(self.connector_scheduler, LookoutMooncakeStoreScheduler):
+            stats = self.connector_scheduler.take_stats()
+            return None if stats.is_empty() else stats
+        return super().get_kv_connector_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        from mooncake_lookout.metrics.vllm_stats import build_kv_connector_stats
+
+        return build_kv_connector_stats(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: Any,
+                           per_engine_labelvalues: Any) -> Any:
+        from mooncake_lookout.metrics.vllm_stats import build_prom_metrics
+
+        return build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
         scheduler = getattr(self, "connector_scheduler", None)
         if isinstance(scheduler, LookoutMooncakeStoreScheduler):

@@ -1,0 +1,44 @@
+"""Configuration: one validated object from kv_connector_extra_config; bad keys and values fail naming the key."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from mooncake_lookout.connector.config import KEYS, ConfigError, LookupConfig
+
+
+def test_defaults_are_upstreams() -> None:
+    config = LookupConfig.from_extra_config({})
+    assert config.lookup_async is False and config.mode == "sync"
+    assert config == LookupConfig()
+    assert {k.name: k.default for k in KEYS} == dataclasses.asdict(config)
+
+
+def test_other_connectors_keys_pass_through() -> None:
+    config = LookupConfig.from_extra_config({"load_async": True, "lookup_rpc_port": 3, "lookup_async": True})
+    assert config.lookup_async is True and config.mode == "async"
+
+
+@pytest.mark.parametrize("extra, named", [
+    ({"lookup_asynch": True}, "lookup_asynch"),
+    ({"lookup_timeout_ms": 0}, "lookup_timeout_ms"),
+    ({"lookup_timeout_ms": "100"}, "lookup_timeout_ms"),
+    ({"lookup_max_pending": 0}, "lookup_max_pending"),
+    ({"lookup_max_pending": 1.5}, "lookup_max_pending"),
+    ({"lookup_async": 1}, "lookup_async"),
+    ({"lookup_transport": "grpc"}, "lookup_transport"),
+    ({"lookup_wait_us": -1}, "lookup_wait_us"),
+    ({"lookup_breaker_cooldown_s": 0}, "lookup_breaker_cooldown_s"),
+    ({"lookup_server_address": "http://x"}, "lookup_server_address"),
+])
+def test_bad_keys_and_values_name_the_key(extra, named) -> None:
+    with pytest.raises(ConfigError, match=named):
+        LookupConfig.from_extra_config(extra)
+
+
+def test_round_trip_through_extra_config() -> None:
+    config = LookupConfig(lookup_async=True, lookup_wait_us=200, lookup_transport="pipelined")
+    assert LookupConfig.from_extra_config(config.as_extra_config()) == config
+    assert config.mode == "budget" and config.wait_s == pytest.approx(200e-6)
