@@ -4,9 +4,12 @@ Why: every comparison must run upstream's client and ours in the same process, a
 master, the same keys and the same kind of server. :class:`Rig` starts them once:
 
 * a real ``mooncake_master`` on 127.0.0.1 (:class:`EmbeddedMaster`, stopped by pid on exit);
-* a writer store client and a :class:`PrefixIndex` over it (the backend of both servers);
-* vLLM's own ``LookupKeyServer`` (upstream wire, IPC path derived from a real ``VllmConfig``);
-* our :class:`LookupServer` (pipelined and upstream wire, private IPC path).
+* a writer store client and a :class:`PrefixIndex` over it (to fill the store);
+* a separate *server process*, as in vLLM where the lookup server lives in the worker, not in the
+  scheduler's process (in-process server threads would fight the scheduler for the GIL and skew every
+  latency): it runs vLLM's own ``LookupKeyServer`` (upstream wire, IPC path derived from a real
+  ``VllmConfig``) and our :class:`LookupServer` (pipelined and upstream wire), both over a
+  :class:`PrefixIndex` on its own store client.
 
 Clients are built on demand: vLLM's ``LookupKeyClient``, or our :class:`LookupClient` with either
 transport. :func:`token_prompts` gives token prompts with shared prefixes for vLLM's real scheduler.
@@ -56,11 +59,12 @@ def token_prompts(n: int, *, prefix_blocks: int = 4, unique_blocks: int = 4, num
             for i in range(n)]
 
 
-def observers_with_telemetry(registry: Any = None) -> tuple[list[LookupObserver], Any]:
+def observers_with_telemetry(registry: Any = None, *, metrics: bool = True,
+                             spans: bool = True) -> tuple[list[LookupObserver], Any]:
     """A Prometheus sink (fresh registry unless given) and an OTel tracing observer exporting to memory.
 
     Returns the observers and the span exporter (so callers can count spans). The tracer provider is
-    private: it never replaces a global one.
+    private: it never replaces a global one. ``metrics`` / ``spans`` pick the parts.
     """
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -73,28 +77,47 @@ def observers_with_telemetry(registry: Any = None) -> tuple[list[LookupObserver]
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(BatchSpanProcessor(exporter))
-    sink = PrometheusSink(registry=registry if registry is not None else CollectorRegistry())
-    return [sink, TracingObserver(provider.get_tracer("mooncake_lookout.bench"), provider)], exporter
+    observers: list[LookupObserver] = []
+    if metrics:
+        observers.append(PrometheusSink(registry=registry if registry is not None else CollectorRegistry()))
+    if spans:
+        observers.append(TracingObserver(provider.get_tracer("mooncake_lookout.bench"), provider))
+    return observers, exporter
+
+
+def close_upstream_client(client: Any, timeout_s: float = 5.0) -> bool:
+    """Close vLLM's ``LookupKeyClient`` safely: only once its thread is idle; True if it was.
+
+    Upstream's ``close()`` closes the socket while its executor thread may sit in ``recv()`` and never
+    terminates its ZMQ context (a context left to the garbage collector can hang in ``term()``). Here a
+    no-op job proves the single executor thread is idle before the socket is closed; a wedged client is
+    left alone (its daemon-less thread stays blocked until its server answers) and False is returned.
+    """
+    try:
+        client.executor.submit(lambda: None).result(timeout=timeout_s)
+    except Exception:
+        return False
+    client.executor.shutdown(wait=True)
+    client.socket.close(linger=0)
+    client.ctx.term()
+    return True
 
 
 class Rig:
     """A real master, a prefix index and both lookup servers; a context manager that stops them all by pid.
 
     ``rpc_timeout_ms`` bounds one store call of the servers' client (Mooncake's ``MC_RPC_TIMEOUT_MS``);
-    ``server_observers`` go to our lookup server.
     """
 
     def __init__(self, *, namespace: str = "bench", rpc_timeout_ms: int | None = 30_000,
-                 server_observers: Iterable[Any] = (), server_workers: int = 2) -> None:
+                 server_workers: int = 2) -> None:
         self.namespace = namespace
         self.rpc_timeout_ms = rpc_timeout_ms
-        self._server_observers = list(server_observers)
         self._server_workers = server_workers
         self._stack = ExitStack()
         self.master: Any = None
         self.index: Any = None
-        self.server: Any = None
-        self.upstream_server: Any = None
+        self.servers: Any = None
         self.lookup_rpc_port = next(_ports)
 
     def start(self) -> "Rig":
@@ -109,24 +132,19 @@ class Rig:
     def _start(self) -> None:
         from mooncake_lookout.connector.mooncake_master import EmbeddedMaster, open_writer_store
         from mooncake_lookout.connector.prefix_index import PrefixIndex
-        from mooncake_lookout.connector.server import LookupServer
-        from mooncake_lookout.connector.upstream_server import (
-            UpstreamLookupServer,
-            lookup_vllm_config,
-            private_rpc_base_path,
-        )
+        from mooncake_lookout.connector.bench_servers import ServerProcess
+        from mooncake_lookout.connector.upstream_server import lookup_vllm_config, private_rpc_base_path
 
         stack = self._stack
         self.master = stack.enter_context(EmbeddedMaster())
-        store = open_writer_store(self.master.rpc_address, rpc_timeout_ms=self.rpc_timeout_ms)
+        self.rpc_base_path = stack.enter_context(private_rpc_base_path())
+        self.servers = stack.enter_context(ServerProcess(
+            self.master.rpc_address, self.namespace, self.rpc_base_path, self.lookup_rpc_port,
+            workers=self._server_workers, rpc_timeout_ms=self.rpc_timeout_ms).start())
+        store = open_writer_store(self.master.rpc_address)
         stack.callback(store.close)
         self.index = PrefixIndex(store, BLOCK_SIZE, namespace=self.namespace)
-        self.rpc_base_path = stack.enter_context(private_rpc_base_path())
         self.lookup_vllm_config = lookup_vllm_config(self.lookup_rpc_port)
-        self.upstream_server = UpstreamLookupServer(self.index, self.lookup_vllm_config).start()
-        stack.callback(self.upstream_server.stop)
-        self.server = stack.enter_context(LookupServer(self.index, None, workers=self._server_workers,
-                                                       observers=self._server_observers))
 
     # -- clients -------------------------------------------------------------------------------------------
     def upstream_client(self) -> Any:
@@ -137,7 +155,7 @@ class Rig:
 
     def address(self, transport: str) -> str:
         """Where a client of ``transport`` connects: vLLM's server for upstream, ours for pipelined."""
-        return self.server.address if transport == "pipelined" else self.upstream_server.address
+        return self.servers.addresses[transport]
 
     def our_client(self, transport: str, observers: Iterable[LookupObserver] = (), **config: Any) -> Any:
         """Our ``LookupClient`` over ``transport`` with ``config`` keys (``lookup_`` prefix optional)."""
@@ -154,7 +172,7 @@ class Rig:
         if ours:
             extra["lookup_transport"] = transport
             if transport == "pipelined":
-                extra["lookup_server_address"] = self.server.address
+                extra["lookup_server_address"] = self.servers.addresses["pipelined"]
         extra.update(config)
         return extra
 
@@ -169,4 +187,4 @@ class Rig:
         self.close()
 
 
-__all__ = ["BLOCK_SIZE", "Rig", "observers_with_telemetry", "quantile", "summary_us", "token_prompts"]
+__all__ = ["BLOCK_SIZE", "Rig", "close_upstream_client", "observers_with_telemetry", "quantile", "summary_us", "token_prompts"]

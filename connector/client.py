@@ -58,6 +58,8 @@ class LookupClient:
         self.transport = transport
         self.observers = observer if isinstance(observer, ObserverSet) else ObserverSet(
             [observer] if observer is not None else [])
+        if transport.on_late_reply is None:
+            transport.on_late_reply = self.observers.late_reply
         self.breaker = CircuitBreaker(
             config.lookup_breaker_failures, config.lookup_breaker_cooldown_s,
             probe_timeout_s=config.timeout_s, on_change=self.observers.breaker_changed)

@@ -80,6 +80,7 @@ class LookupObserver(Protocol):
     def discarded(self, rec: LookupRecord) -> None: ...
     def breaker_changed(self, is_open: bool) -> None: ...
     def scheduler_call(self, mode: str, seconds: float) -> None: ...
+    def late_reply(self) -> None: ...
 
 
 class NullObserver:
@@ -108,6 +109,9 @@ class NullObserver:
 
     def scheduler_call(self, mode: str, seconds: float) -> None:
         """Time one scheduler call spent inside the lookup path (``mode``: sync, async, budget)."""
+
+    def late_reply(self) -> None:
+        """A reply came for a lookup that had already ended, or for none (transport thread)."""
 
 
 class ObserverSet(NullObserver):
@@ -150,6 +154,9 @@ class ObserverSet(NullObserver):
 
     def scheduler_call(self, mode: str, seconds: float) -> None:
         self._emit("scheduler_call", mode, seconds)
+
+    def late_reply(self) -> None:
+        self._emit("late_reply")
 
 
 class OutcomeCounter(NullObserver):

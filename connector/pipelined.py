@@ -109,7 +109,7 @@ class PipelinedTransport(Transport):
         self.max_inflight = max_inflight
         self.late_replies = 0
         self.rebuilds = 0
-        self._on_late_reply = on_late_reply
+        self.on_late_reply = on_late_reply
         self._on_rebuild = on_rebuild
         self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         self._waker = Waker()
@@ -300,9 +300,9 @@ class PipelinedTransport(Transport):
 
     def _count_late(self) -> None:
         self.late_replies += 1
-        if self._on_late_reply is not None:
+        if self.on_late_reply is not None:
             try:
-                self._on_late_reply()
+                self.on_late_reply()
             except Exception:  # telemetry must never break the transport
                 logger.exception("on_late_reply callback failed")
 

@@ -45,15 +45,21 @@ class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
 
         self.stats = LookupStatsCollector()
         self.observers.add(self.stats)
-        tracer = tracing_observer_from_env()
-        if tracer is not None:
-            self.observers.add(tracer)
+        self.tracer = tracing_observer_from_env()
+        if self.tracer is not None:
+            self.observers.add(self.tracer)
 
     def _lookup_align(self) -> int:
         return self._hash_block_size if self.enable_partial_hash_hits else self._block_size
 
+    def _trace_parent(self, request: Any) -> None:
+        """Make the request's own trace (vLLM's ``trace_headers``) the parent of its lookup span."""
+        if self.tracer is not None and not self.client.has(request.request_id):
+            self.tracer.set_parent_headers(request.request_id, request.trace_headers)
+
     def on_new_request(self, request: Any) -> None:
         """Start the lookup at admission, so its answer is usually ready by the first scheduling attempt."""
+        self._trace_parent(request)
         if (self.lookup_config.lookup_on_admission and self.enable_lookup
                 and request.num_tokens >= self._lookup_align()):
             self.client.start(request.request_id, request.num_tokens, request.block_hashes)
@@ -61,6 +67,7 @@ class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Upstream's answer (``(None, False)`` while pending), timed as time spent blocking the scheduler."""
         t0 = time.perf_counter()
+        self._trace_parent(request)
         try:
             return super().get_num_new_matched_tokens(request, num_computed_tokens)
         finally:
@@ -86,8 +93,10 @@ class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
         return self.stats.take()
 
     def close(self) -> None:
-        """Stop the lookup client and its transport."""
+        """Stop the lookup client and its transport, then flush spans."""
         self.client.close()
+        if self.tracer is not None:
+            self.tracer.shutdown()
 
 
 __all__ = ["LookoutMooncakeStoreScheduler"]

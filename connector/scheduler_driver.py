@@ -46,8 +46,9 @@ def make_vllm_config(extra_config: dict[str, Any], *, connector: str = "LookoutM
                      kv_role: str = "kv_consumer") -> Any:
     """A real ``VllmConfig`` for the CPU scheduler with the given connector and extra config.
 
-    ``kv_role`` defaults to ``kv_consumer``: with no worker here, nothing would ever report a save done,
-    and upstream's scheduler would keep the blocks of every save pinned.
+    ``kv_role`` defaults to ``kv_consumer`` and ``load_async`` to false: with no worker here, nothing would
+    ever report a save or an asynchronous load done, and upstream's scheduler would keep their requests
+    and blocks parked forever.
     """
     _offline_env()
     from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
@@ -56,7 +57,7 @@ def make_vllm_config(extra_config: dict[str, Any], *, connector: str = "LookoutM
     model = ModelConfig(model=tiny_model_dir(), skip_tokenizer_init=True, max_model_len=max_model_len,
                         dtype="float32", seed=0)
     kv = KVTransferConfig(kv_connector=connector, kv_role=kv_role, kv_connector_module_path=module_path,
-                          kv_connector_extra_config=dict(extra_config))
+                          kv_connector_extra_config={"load_async": False, **extra_config})
     return VllmConfig(
         model_config=model,
         cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),

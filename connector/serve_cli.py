@@ -16,10 +16,9 @@ import sys
 import threading
 from typing import Any, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry
 
 from mooncake_lookout.connector.server import ServerObserver
-from mooncake_lookout.metrics import catalogue
 
 logger = logging.getLogger(__name__)
 
@@ -54,47 +53,17 @@ def _listen_address(args: argparse.Namespace) -> str | None:
     return None
 
 
-class PrometheusServerObserver(ServerObserver):
-    """Maps the server's hooks onto the catalogue's ``server_*`` metrics in ``registry``."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        c = catalogue
-        self.requests = Counter(c.SERVER_REQUESTS.name, c.SERVER_REQUESTS.help, c.SERVER_REQUESTS.labels,
-                                registry=registry)
-        for status in c.SERVER_STATUSES:
-            self.requests.labels(status)
-        self.depth = Gauge(c.SERVER_QUEUE_DEPTH.name, c.SERVER_QUEUE_DEPTH.help, registry=registry)
-        self.calls = Gauge(c.SERVER_INFLIGHT.name, c.SERVER_INFLIGHT.help, registry=registry)
-        self.store_seconds = Histogram(c.SERVER_STORE_SECONDS.name, c.SERVER_STORE_SECONDS.help,
-                                       buckets=c.SERVER_STORE_SECONDS.buckets, registry=registry)
-        self.batch = Histogram(c.SERVER_BATCH_SIZE.name, c.SERVER_BATCH_SIZE.help,
-                               buckets=c.SERVER_BATCH_SIZE.buckets, registry=registry)
-        self.errors = Counter(c.SERVER_STORE_ERRORS.name, c.SERVER_STORE_ERRORS.help, registry=registry)
-
-    def queue_depth(self, depth: int) -> None:
-        self.depth.set(depth)
-
-    def inflight(self, calls: int) -> None:
-        self.calls.set(calls)
-
-    def store_call(self, batch_size: int, seconds: float, failed: bool) -> None:
-        self.store_seconds.observe(seconds)
-        self.batch.observe(batch_size)
-        if failed:
-            self.errors.inc()
-
-    def answered(self, status: str) -> None:
-        self.requests.labels(status).inc()
-
-
-def _server_observers(args: argparse.Namespace) -> list[ServerObserver]:
-    """The Prometheus observer and its HTTP endpoint when ``--metrics-port`` is set."""
+def _server_observers(args: argparse.Namespace, stack: contextlib.ExitStack) -> list[ServerObserver]:
+    """The server's Prometheus figures and their ``/metrics`` endpoint when ``--metrics-port`` is set."""
     if args.metrics_port is None:
         return []
+    from mooncake_lookout.metrics.exporter import MetricsEndpoint
+    from mooncake_lookout.metrics.server_sink import ServerMetrics
+
     registry = CollectorRegistry()
-    observer = PrometheusServerObserver(registry)
-    httpd, _ = start_http_server(args.metrics_port, addr=args.metrics_host, registry=registry)
-    print(f"metrics on http://{args.metrics_host}:{httpd.server_port}/metrics", flush=True)
+    observer = ServerMetrics(registry)
+    endpoint = stack.enter_context(MetricsEndpoint(args.metrics_port, args.metrics_host, registry))
+    print(f"metrics on {endpoint.url}", flush=True)
     return [observer]
 
 
@@ -122,7 +91,7 @@ def run_serve(args: argparse.Namespace) -> int:
         stack.callback(store.close)
         backend = PrefixIndex(store, args.block_size, args.namespace)
         server = stack.enter_context(LookupServer(backend, _listen_address(args), workers=args.workers,
-                                                  observers=_server_observers(args)))
+                                                  observers=_server_observers(args, stack)))
         print(f"listening on {server.address}", flush=True)
         stop.wait()
         logger.info("stopping the lookup server")
@@ -137,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return args.func(args)
 
 
-__all__ = ["PrometheusServerObserver", "add_serve_parser", "main", "run_serve"]
+__all__ = ["add_serve_parser", "main", "run_serve"]
 
 if __name__ == "__main__":
     sys.exit(main())

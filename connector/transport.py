@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import abc
 
+from typing import Callable
+
 from mooncake_lookout.connector.job import LookupJob
 
 
@@ -19,6 +21,8 @@ class Transport(abc.ABC):
     """Carries lookup jobs to a lookup server and finishes each one by its deadline."""
 
     name: str = "abstract"
+    # Called on the transport's thread for each reply that came after its lookup ended (the client sets it).
+    on_late_reply: Callable[[], None] | None = None
 
     @abc.abstractmethod
     def submit(self, job: LookupJob) -> None:

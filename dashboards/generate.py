@@ -11,6 +11,7 @@ import difflib
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:  # dashboards/ is a folder of scripts, not an installed package
@@ -27,7 +28,7 @@ TUNING_JSON = "mooncake-lookups-tuning.json"
 RULES_YAML = "alerts.rules.yaml"
 
 
-def dashboard_json(builder) -> str:
+def dashboard_json(builder: Any) -> str:
     """Stable JSON text of a dashboard builder (sorted keys, two-space indent, final newline)."""
     return json.dumps(builder.build(), cls=JSONEncoder, indent=2, sort_keys=True) + "\n"
 

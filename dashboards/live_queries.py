@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -54,8 +55,6 @@ def all_values(dashboard: dict[str, Any]) -> dict[str, str]:
 def variable_options(prom: PromAPI, dashboard: dict[str, Any], values: dict[str, str],
                      seconds: float = 300) -> dict[str, list[str]]:
     """What each ``label_values`` variable would offer, given ``values`` for the variables it depends on."""
-    import time
-
     out: dict[str, list[str]] = {}
     for var in dashboard["templating"]["list"]:
         if var["type"] != "query":

@@ -149,7 +149,10 @@ class LiveStack(contextlib.ExitStack):
         self.drivers: dict[str, Any] = {}
         client_eps = []
         for mode, extra in (("async", {"lookup_async": True}), ("sync", {"lookup_async": False})):
-            extra = {**extra, "lookup_transport": "pipelined", "lookup_server_address": self.server.address}
+            # load_async=False: upstream then loads hits inside the (made-up) forward pass instead of
+            # parking the request until a worker reports the load done; there is no worker here.
+            extra = {**extra, "lookup_transport": "pipelined", "lookup_server_address": self.server.address,
+                     "load_async": False}
             driver = SchedulerDriver(make_vllm_config(extra))
             self.callback(driver.close)
             registry = CollectorRegistry()

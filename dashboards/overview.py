@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from grafana_foundation_sdk.builders import dashboard as db
 from grafana_foundation_sdk.models import dashboard as dm
 
@@ -31,7 +33,7 @@ def _outcome_rate(outcomes: tuple[str, ...], labels: tuple[str, ...] = ()) -> st
     return q.counter_rate(c.REQUESTS, labels, extra=[f'outcome=~"{regex}"'])
 
 
-def _health(p: Panels) -> list:
+def _health(p: Panels) -> list[Any]:
     breaker = value_text({"0": ("closed", "green"), "1": ("open", "red")})
     return [
         p.stat("Lookups per second", "Lookups that ended, any outcome.",
@@ -54,7 +56,7 @@ def _health(p: Panels) -> list:
     ]
 
 
-def _traffic(p: Panels) -> list:
+def _traffic(p: Panels) -> list[Any]:
     return [
         p.timeseries("Lookup rate by outcome", "Lookups that ended per second, stacked by how they ended.",
                      [Query(q.counter_rate(c.REQUESTS, ("outcome",)), "{{outcome}}")], "reqps", stacked=True),
@@ -68,7 +70,7 @@ def _traffic(p: Panels) -> list:
     ]
 
 
-def _latency_row(p: Panels) -> list:
+def _latency_row(p: Panels) -> list[Any]:
     return [
         p.timeseries("Queue wait", "Time a lookup waited for the transport before it was sent.",
                      _latency(c.QUEUE_SECONDS), "s", width=8),
@@ -79,7 +81,7 @@ def _latency_row(p: Panels) -> list:
     ]
 
 
-def _scheduler(p: Panels) -> list:
+def _scheduler(p: Panels) -> list[Any]:
     return [
         p.timeseries("Pending lookups", "Lookups in flight or waiting, per instance. Past lookup_max_pending "
                      "new lookups are rejected (answered as a miss).",
@@ -94,7 +96,7 @@ def _scheduler(p: Panels) -> list:
     ]
 
 
-def _errors(p: Panels) -> list:
+def _errors(p: Panels) -> list[Any]:
     breaker = value_text({"0": ("closed", "green"), "1": ("open", "red")})
     failed = ("error", "timeout", "rejected", "breaker_open")
     return [
@@ -114,7 +116,7 @@ def _errors(p: Panels) -> list:
     ]
 
 
-def _server(p: Panels) -> list:
+def _server(p: Panels) -> list[Any]:
     return [
         p.timeseries("Server frames by status", "Frames the lookup server answered per second, by status.",
                      [Query(q.counter_rate(c.SERVER_REQUESTS, ("status",)), "{{status}}")], "reqps", width=8),
@@ -134,7 +136,7 @@ def _server(p: Panels) -> list:
     ]
 
 
-def _master(p: Panels) -> list:
+def _master(p: Panels) -> list[Any]:
     mv = dict(variables=q.MASTER_VARS)
     used = q.gauge(km.MASTER_ALLOCATED_BYTES, "sum", BY_INSTANCE, **mv)
     cap = q.gauge(km.MASTER_CAPACITY_BYTES, "sum", BY_INSTANCE, **mv)

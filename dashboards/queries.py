@@ -55,9 +55,10 @@ def rate_sum(name: str, labels: Sequence[str] = (), *, variables: Sequence[str] 
     return f"sum{by(labels)} (rate({sel(name, variables, extra)}[{window}]))"
 
 
-def counter_rate(spec: MetricSpec, labels: Sequence[str] = (), **kw: object) -> str:
+def counter_rate(spec: MetricSpec, labels: Sequence[str] = (), *,
+                 variables: Sequence[str] | None = LOOKUP_VARS, extra: Iterable[str] = (), window: str = RATE) -> str:
     """Per-second rate of a catalogue counter, summed by ``labels``."""
-    return rate_sum(series(spec), labels, **kw)  # type: ignore[arg-type]
+    return rate_sum(series(spec), labels, variables=variables, extra=extra, window=window)
 
 
 def ratio(num: str, den: str) -> str:
@@ -65,16 +66,18 @@ def ratio(num: str, den: str) -> str:
     return f"({num})\n/\n({den} > 0)"
 
 
-def quantile(spec: MetricSpec, q: float, labels: Sequence[str] = (), **kw: object) -> str:
+def quantile(spec: MetricSpec, q: float, labels: Sequence[str] = (), *,
+             variables: Sequence[str] | None = LOOKUP_VARS, window: str = RATE) -> str:
     """``histogram_quantile`` of a catalogue histogram, by ``labels``."""
-    inner = rate_sum(series(spec, "_bucket"), ("le", *labels), **kw)  # type: ignore[arg-type]
+    inner = rate_sum(series(spec, "_bucket"), ("le", *labels), variables=variables, window=window)
     return f"histogram_quantile({q}, {inner})"
 
 
-def mean(spec: MetricSpec, labels: Sequence[str] = (), **kw: object) -> str:
+def mean(spec: MetricSpec, labels: Sequence[str] = (), *, variables: Sequence[str] | None = LOOKUP_VARS,
+         window: str = RATE) -> str:
     """Mean of a catalogue histogram over the window: rate of ``_sum`` over rate of ``_count`` (guarded)."""
-    return ratio(rate_sum(series(spec, "_sum"), labels, **kw),  # type: ignore[arg-type]
-                 rate_sum(series(spec, "_count"), labels, **kw))  # type: ignore[arg-type]
+    return ratio(rate_sum(series(spec, "_sum"), labels, variables=variables, window=window),
+                 rate_sum(series(spec, "_count"), labels, variables=variables, window=window))
 
 
 def gauge(name: str, agg: str = "sum", labels: Sequence[str] = (), *,

@@ -115,13 +115,13 @@ def render(name: str, dashboard: dict[str, Any], runs: list[QueryRun], out: Path
     """Draw one dashboard to ``out`` (PNG); returns the path."""
     panels = list(lint.iter_panels(dashboard))
     bottom = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in panels)
-    fig = plt.figure(figsize=(24 * COL_IN, bottom * ROW_IN + 0.6))
-    fig.suptitle(dashboard["title"], fontsize=12, x=0.01, ha="left")
+    top_in = 0.9  # room for the dashboard title above the first row
+    height_in = bottom * ROW_IN + top_in + 0.1
+    fig = plt.figure(figsize=(24 * COL_IN, height_in))
+    fig.text(0.01, 1 - 0.3 / height_in, dashboard["title"], fontsize=12, va="top")
     by_panel: dict[int, list[QueryRun]] = {}
     for r in runs:
         by_panel.setdefault(r.panel["id"], []).append(r)
-    top_in = 0.5
-    height_in = bottom * ROW_IN + 0.6
     for p in panels:
         g = p["gridPos"]
         pad_x, pad_y = 0.35, 0.3

@@ -7,6 +7,8 @@ figures side by side, per mode and instance, with notes on how to read them.
 
 from __future__ import annotations
 
+from typing import Any
+
 from grafana_foundation_sdk.builders import dashboard as db
 from grafana_foundation_sdk.models import dashboard as dm
 
@@ -56,7 +58,7 @@ def _quantiles(spec: c.MetricSpec, labels: tuple[str, ...]) -> list[Query]:
     return [Query(q.quantile(spec, x, labels), f"p{round(x * 100)} {legend}") for x in QUANTILES]
 
 
-def _panels(p: Panels) -> list[tuple[db.Row, list]]:
+def _panels(p: Panels) -> list[tuple[db.Row, list[Any]]]:
     """(row title, panels) pairs; each row id is taken before its panels' ids, in page order."""
     blocked = c.SCHEDULER_BLOCKED_SECONDS
     return [

@@ -7,6 +7,8 @@ no engine) stays visible until someone picks a specific model or engine.
 
 from __future__ import annotations
 
+from typing import Any
+
 from grafana_foundation_sdk.builders import dashboard as db
 from grafana_foundation_sdk.models import dashboard as dm
 
@@ -36,9 +38,9 @@ def _query_var(name: str, label: str, query: str, description: str) -> db.QueryV
             .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED).sort(dm.VariableSort.ALPHABETICAL_ASC))
 
 
-def variables() -> list:
+def variables() -> list[Any]:
     """datasource, then job -> instance -> model_name -> engine, then master_job -> master_instance."""
-    out: list = [db.DatasourceVariable("datasource").label("Data source").type("prometheus")
+    out: list[Any] = [db.DatasourceVariable("datasource").label("Data source").type("prometheus")
                  .description("The Prometheus that scrapes vLLM, the lookup servers and the Mooncake master.")]
     done: list[str] = []
     for name, label in LOOKUP_CHAIN:

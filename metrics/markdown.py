@@ -12,6 +12,7 @@ from pathlib import Path
 
 from mooncake_lookout.metrics.catalogue import CATALOGUE, SECONDS_BUCKETS, MetricSpec
 
+_WHERE = {"client": "scheduler", "server": "lookup server"}
 START = "<!-- metrics-table:start -->"
 END = "<!-- metrics-table:end -->"
 
@@ -25,12 +26,12 @@ def _buckets(spec: MetricSpec) -> str:
 
 
 def render_table(specs: tuple[MetricSpec, ...] = CATALOGUE) -> str:
-    """The catalogue as a Markdown table: series name, type, labels, side, buckets, meaning."""
-    rows = ["| series | type | labels | side | buckets | meaning |", "| --- | --- | --- | --- | --- | --- |"]
+    """The catalogue as a Markdown table: series name, type, labels, where measured, buckets, meaning."""
+    rows = ["| series | type | labels | measured in | buckets | meaning |", "| --- | --- | --- | --- | --- | --- |"]
     for spec in specs:
         series = spec.sample_names[0] if spec.kind == "counter" else spec.name
         labels = ", ".join(spec.labels)
-        rows.append(f"| `{series}` | {spec.kind} | {labels} | {spec.side} | {_buckets(spec)} | {spec.help} |")
+        rows.append(f"| `{series}` | {spec.kind} | {labels} | {_WHERE.get(spec.side, spec.side)} | {_buckets(spec)} | {spec.help} |")
     return "\n".join(rows) + "\n"
 
 
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+__all__ = ["END", "START", "extract_block", "render_table", "replace_block"]
+
 if __name__ == "__main__":
     sys.exit(main())
-
-__all__ = ["END", "START", "extract_block", "render_table", "replace_block"]

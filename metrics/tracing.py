@@ -81,6 +81,7 @@ class TracingObserver(NullObserver):
         if not headers:
             return
         parents = self._parents
+        parents.pop(req_id, None)  # re-set: move to the newest end, so eviction takes the oldest
         parents[req_id] = headers
         if len(parents) > MAX_PARENT_HEADERS:
             del parents[next(iter(parents))]
@@ -101,7 +102,8 @@ class TracingObserver(NullObserver):
 
     def started(self, rec: LookupRecord) -> None:
         parent = rec.scratch.get(_SPAN_KEY)
-        if parent is None or not parent.get_span_context().is_valid:
+        # An unsampled (or already ended, i.e. discarded) lookup gets no child: nothing would record it.
+        if parent is None or not parent.is_recording():
             return
         child = self.tracer.start_span(SPAN_RPC, context=trace.set_span_in_context(parent))
         if child.is_recording():
@@ -120,7 +122,7 @@ class TracingObserver(NullObserver):
         self._end(rec)
 
     def _end(self, rec: LookupRecord) -> None:
-        # The span stays in scratch: a round trip still in flight may yet hang its child span on it.
+        # The span stays in scratch: a round trip already under way still ends its child span on it.
         span = rec.scratch.get(_SPAN_KEY)
         if span is None:
             return

@@ -258,3 +258,19 @@ def test_store_errors_are_counted_as_errors_not_misses(private_master, make_hash
         finally:
             c.close()
     store.close()
+
+
+def test_built_from_a_vllm_config_reaches_vllms_server(upstream_server, lookup_vllm_config, prefix_index,
+                                                        make_hashes) -> None:
+    """The constructor vLLM's connector uses: config from kv_connector_extra_config, vLLM's own IPC path."""
+    lookup_vllm_config.kv_transfer_config.kv_connector_extra_config.update(
+        {"lookup_async": True, "lookup_timeout_ms": 250})
+    c = LookupClient.from_vllm_config(lookup_vllm_config)
+    try:
+        assert c.config.lookup_async is True and c.config.timeout_s == 0.25
+        assert c.transport.address == upstream_server
+        hashes = make_hashes(3, seed=13)
+        prefix_index.store_prefixes([hashes])
+        assert poll(c, "r", 3 * BLOCK + 1, hashes).hit_length == 3 * BLOCK
+    finally:
+        c.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -42,3 +43,10 @@ def test_round_trip_through_extra_config() -> None:
     config = LookupConfig(lookup_async=True, lookup_wait_us=200, lookup_transport="pipelined")
     assert LookupConfig.from_extra_config(config.as_extra_config()) == config
     assert config.mode == "budget" and config.wait_s == pytest.approx(200e-6)
+
+
+def test_readme_configuration_table_is_current() -> None:
+    from mooncake_lookout.connector.readme import main
+
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    assert main([str(readme), "--check"]) == 0, "README's table is stale: python -m mooncake_lookout.connector.readme"

@@ -27,7 +27,7 @@ from mooncake_lookout.connector import protocol as p
 from mooncake_lookout.connector import upstream_wire
 from mooncake_lookout.connector.mooncake_master import EmbeddedMaster, free_port, open_store
 from mooncake_lookout.connector.prefix_index import PrefixIndex
-from mooncake_lookout.connector.serve_cli import PrometheusServerObserver
+from mooncake_lookout.metrics.server_sink import ServerMetrics
 from mooncake_lookout.connector.server import LookupServer, ServerObserver
 from mooncake_lookout.connector.workload import shared_prefix_workload
 from mooncake_lookout.metrics import catalogue
@@ -367,7 +367,7 @@ def test_prometheus_observer_reports_catalogue_metrics(ctx: zmq.Context, filler:
                                                        index: PrefixIndex) -> None:
     reqs, expected = _fill(filler, 9)
     registry = CollectorRegistry()
-    with LookupServer(index, observers=[PrometheusServerObserver(registry)]) as server:
+    with LookupServer(index, observers=[ServerMetrics(registry)]) as server:
         sock = _dealer(ctx, server.address)
         for i, r in enumerate(reqs):
             sock.send_multipart(p.encode_lookup(i + 1, r.num_tokens, r.block_hashes))

@@ -177,7 +177,7 @@ def _scrape(url: str) -> str:
         return resp.read().decode()
 
 
-def test_endpoint_serves_every_family_and_passes_promtool(registry: CollectorRegistry, tmp_path: Path) -> None:
+def test_endpoint_serves_every_family_and_passes_promtool(registry: CollectorRegistry) -> None:
     sink = PrometheusSink(LookupConfig(), registry=registry)
     ServerMetrics(registry=registry)
     _lifecycle(ObserverSet([sink]), "cmpl-secret-request-0001", Outcome.HIT, hit=32, deferrals=1)
@@ -229,6 +229,20 @@ def test_markdown_table_lists_every_family() -> None:
     doc = f"intro\n{START}\nold\n{END}\nrest\n"
     assert extract_block(replace_block(doc, table)) == table
     assert replace_block(doc, table).endswith(f"{END}\nrest\n")
+
+
+def test_docs_table_matches_catalogue() -> None:
+    block = extract_block((ROOT / "docs" / "metrics.md").read_text())
+    assert block == render_table(), "run: python -m mooncake_lookout.metrics.markdown docs/metrics.md"
+
+
+def test_overhead_bench_runs_every_configuration() -> None:
+    from mooncake_lookout.metrics.overhead_bench import configurations, measure, render
+
+    results = measure(lifecycles=200, repeats=1)
+    assert set(results) == set(configurations())
+    assert all(ns > 0 for ns in results.values())
+    assert render(results).count("\n") == len(results) + 1
 
 
 def test_readme_table_matches_catalogue() -> None:

@@ -271,3 +271,76 @@ def test_spans_reach_an_otlp_http_receiver(clean_otel_env: pytest.MonkeyPatch) -
             assert req_id.encode() not in wire
     finally:
         receiver.close()
+
+
+def test_real_client_and_server_spans(spans, prefix_index, make_workload) -> None:  # type: ignore[no-untyped-def]
+    """The real LookupClient, pipelined transport thread and LookupServer over a real Mooncake store."""
+    from mooncake_lookout.connector.client import LookupClient
+    from mooncake_lookout.connector.config import LookupConfig
+    from mooncake_lookout.connector.pipelined import PipelinedTransport
+    from mooncake_lookout.connector.server import LookupServer
+
+    observer, exporter = spans
+    requests = make_workload(6, prefix_blocks=2, unique_blocks=1, num_prefixes=2)
+    prefix_index.store_prefixes([requests[0].block_hashes[:2]])  # prefix 0 (requests 0, 2, 4) is warm
+    config = LookupConfig(lookup_async=True, lookup_transport="pipelined", lookup_timeout_ms=5000)
+    with LookupServer(prefix_index) as server:
+        client = LookupClient(config, PipelinedTransport(server.address, timeout_s=config.timeout_s),
+                              observer=observer)
+        try:
+            for req in requests:
+                observer.set_parent_headers(req.req_id, {"traceparent": TRACEPARENT})
+                result = client.lookup(req.req_id, req.num_tokens, req.block_hashes, non_block=False)
+                assert result is not None
+            client.discard(requests[-1].req_id)  # already used: no second end, no second span
+        finally:
+            client.close()
+    exported = exporter.get_finished_spans()
+    lookups = _by_name(exported, SPAN_LOOKUP)
+    rpcs = _by_name(exported, SPAN_RPC)
+    assert len(lookups) == len(rpcs) == len(requests)
+    by_span = {s.context.span_id: s for s in lookups}
+    for rpc in rpcs:
+        parent = by_span[rpc.parent.span_id]
+        assert parent.start_time <= rpc.start_time <= rpc.end_time <= parent.end_time
+    outcomes = {s.attributes[ATTR_REQUEST_ID]: (s.attributes[ATTR_OUTCOME], s.attributes[ATTR_HIT_TOKENS])
+                for s in lookups}
+    for i, req in enumerate(requests):
+        assert outcomes[hash_request_id(req.req_id)] == (("hit", 32) if i % 2 == 0 else ("miss", 0))
+    assert all(format(s.context.trace_id, "032x") == PARENT_TRACE for s in exported)
+    for span in exported:
+        for req in requests:
+            assert req.req_id not in _all_text(span)
+
+
+def test_vllm_request_trace_headers_parent_the_lookup_span(clean_otel_env: pytest.MonkeyPatch, prefix_index,
+                                                           rpc_base_path) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's real scheduler with the connector: a request's ``trace_headers`` become its lookup span's parent."""
+    from mooncake_lookout.connector.scheduler_driver import SchedulerDriver, make_vllm_config
+    from mooncake_lookout.connector.server import LookupServer
+
+    receiver = _OtlpReceiver()
+    try:
+        clean_otel_env.setenv("OTEL_TRACES_EXPORTER", "otlp")
+        clean_otel_env.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+        clean_otel_env.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{receiver.port}/v1/traces")
+        with LookupServer(prefix_index, "tcp://127.0.0.1:0") as server:
+            driver = SchedulerDriver(make_vllm_config({
+                "lookup_async": True, "lookup_transport": "pipelined", "lookup_server_address": server.address,
+                "load_async": False}))
+            try:
+                request = driver.make_request("cmpl-traced-1", list(range(1, 81)))
+                request.trace_headers = {"traceparent": TRACEPARENT}
+                driver.add(request)
+                driver.run_until_idle(500)
+            finally:
+                driver.close()  # flushes spans
+        deadline = time.monotonic() + 10
+        while not any(s.name == SPAN_LOOKUP for _, s in receiver.spans()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        lookups = [s for _, s in receiver.spans() if s.name == SPAN_LOOKUP]
+        assert len(lookups) == 1
+        assert lookups[0].trace_id.hex() == PARENT_TRACE and lookups[0].parent_span_id.hex() == PARENT_SPAN
+        assert b"cmpl-traced-1" not in b"".join(r.SerializeToString() for r in receiver.requests)
+    finally:
+        receiver.close()

@@ -177,30 +177,6 @@ def _wrap_upstream() -> MooncakeStoreConnectorStats:
 
 # -- vLLM's real scheduler, the wire and vLLM's PrometheusStatLogger ----------------------------------------
 
-from mooncake_lookout.connector.vllm_connector import LookoutMooncakeStoreConnector  # noqa: E402
-from mooncake_lookout.metrics.vllm_stats import build_kv_connector_stats, build_prom_metrics  # noqa: E402
-
-TEST_CONNECTOR = "LookoutStatsWiredConnector"
-
-
-class LookoutStatsWiredConnector(LookoutMooncakeStoreConnector):
-    """The connector with this part's stats wiring (what vllm_connector.py is asked to adopt, see docs/metrics.md)."""
-
-    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
-        self.lookup_stats = LookupStatsCollector()
-        if self.connector_scheduler is not None:
-            self.connector_scheduler.observers.add(self.lookup_stats)
-
-    def get_kv_connector_stats(self) -> Any:
-        if self.connector_scheduler is not None:
-            return self.lookup_stats.take()
-        return super().get_kv_connector_stats()
-
-    build_kv_connector_stats = classmethod(lambda cls, data=None: build_kv_connector_stats(data))
-    build_prom_metrics = classmethod(lambda cls, *args: build_prom_metrics(*args))
-
-
 @pytest.fixture
 def lookup_server(prefix_index: Any) -> Iterator[Any]:
     from mooncake_lookout.connector.server import LookupServer
@@ -216,11 +192,11 @@ def test_scheduler_stats_reach_vllm_prometheus_logger(prefix_index: Any, lookup_
 
     # load_async=False (upstream's key): hits load within the step; no worker here reports async loads done.
     cfg = make_vllm_config({"lookup_async": True, "lookup_transport": "pipelined", "load_async": False,
-                            "lookup_server_address": lookup_server.address},
-                           connector=TEST_CONNECTOR, module_path=__name__)
+                            "lookup_server_address": lookup_server.address})
     driver = SchedulerDriver(cfg, num_blocks=1024)
     try:
-        prom_logger = PrometheusStatLogger(cfg, engine_indexes=[0])  # builds our metrics via build_prom_metrics
+        # vLLM's logger loads LookoutMooncakeStoreConnector and calls its build_prom_metrics.
+        prom_logger = PrometheusStatLogger(cfg, engine_indexes=[0])
         prompts = {f"req-{i}": [1000 * i + t for t in range(80)] for i in range(6)}  # 5 blocks each
         warm = [r for i, r in enumerate(prompts) if i % 2 == 0]
         prefix_index.store_prefixes(driver.block_hashes(prompts[r])[:4] for r in warm)  # 64 tokens each

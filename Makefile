@@ -1,0 +1,38 @@
+# Convenience targets; the README's two commands are scripts/demo.sh and scripts/test.sh.
+PY := .venv/bin/python
+
+.PHONY: setup test demo bench generate check-generated dashboard-images
+
+setup:
+	bash scripts/setup.sh
+
+test:
+	bash scripts/test.sh
+
+demo:
+	bash scripts/demo.sh
+
+bench: setup
+	.venv/bin/mooncake-lookout bench --out out/bench
+
+# Regenerate every generated file: dashboards + alert rules, the chart's values schema and table, README tables.
+generate: setup
+	$(PY) dashboards/generate.py
+	$(PY) helm/tools/values_schema.py
+	$(PY) helm/tools/values_table.py
+	$(PY) -m mooncake_lookout.connector.readme
+	$(PY) -m mooncake_lookout.metrics.markdown README.md
+	$(PY) -m mooncake_lookout.metrics.markdown docs/metrics.md
+
+check-generated: setup
+	$(PY) dashboards/generate.py --check
+	$(PY) helm/tools/values_schema.py --check
+	$(PY) helm/tools/values_table.py --check
+	$(PY) -m mooncake_lookout.connector.readme --check
+	$(PY) -m mooncake_lookout.metrics.markdown README.md --check
+	promtool check rules dashboards/alerts.rules.yaml
+	promtool test rules dashboards/alerts.test.yaml
+
+# Pictures of the dashboards, drawn from a real Prometheus scraping a real workload (~75 s).
+dashboard-images: setup
+	$(PY) dashboards/render.py --out dashboards/images --seconds 45

@@ -1,0 +1,93 @@
+"""PNG figures of a bench run (matplotlib, Agg backend: no display needed).
+
+Why: a table gives medians; a tuning decision needs the shape of a distribution and the trade-off
+between time the scheduler blocks and steps requests are deferred, mode by mode.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _cdf(ax: Any, values_s: Sequence[float], label: str) -> None:
+    xs = sorted(v * 1e6 for v in values_s)
+    if not xs:
+        return
+    ys = [(i + 1) / len(xs) for i in range(len(xs))]
+    ax.step(xs, ys, where="post", label=label)
+
+
+def latency_plot(raw: dict[str, dict[str, list[float]]], path: str) -> str:
+    """CDFs of the scheduler-path cost of one call (scenario a): blocking calls and async first calls."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, series in raw.items():
+        _cdf(axes[0], series["sync"], name)
+        _cdf(axes[1], series["async_first"], name)
+    for ax, title in zip(axes, ("blocking lookup call (sync)", "first non-blocking call (async)")):
+        ax.set_xscale("log")
+        ax.set_xlabel("microseconds on the scheduler's thread")
+        ax.set_ylabel("fraction of calls")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def modes_plot(modes: Sequence[dict[str, Any]], path: str) -> str:
+    """Scheduler blocked time vs deferred steps, one point per mode (scenario c)."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for m in modes:
+        x = m["mean_deferred_steps"]
+        axes[0].scatter(x, m["call_us"].get("p99", 0), s=40)
+        axes[0].annotate(m["label"], (x, m["call_us"].get("p99", 0)), fontsize=8, xytext=(4, 4),
+                         textcoords="offset points")
+        axes[1].scatter(x, m["blocked_per_step_us"].get("mean", 0), s=40)
+        axes[1].annotate(m["label"], (x, m["blocked_per_step_us"].get("mean", 0)), fontsize=8, xytext=(4, 4),
+                         textcoords="offset points")
+    axes[0].set_ylabel("p99 of one lookup call (us)")
+    axes[1].set_ylabel("mean lookup time per scheduler step (us)")
+    for ax in axes:
+        ax.set_yscale("log")
+        ax.set_xlabel("mean deferred steps per request")
+        ax.grid(True, which="both", alpha=0.3)
+    fig.suptitle("vLLM scheduler: time blocked vs deferrals, per lookup mode")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def burst_plot(burst: dict[str, Any], path: str) -> str:
+    """Time until every answer of a burst is ready, per client (scenario b)."""
+    names = [k for k in burst if isinstance(burst[k], dict)]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(names, [burst[n]["seconds"] * 1e3 for n in names])
+    ax.set_ylabel("ms until all answers")
+    ax.set_title(f"burst of {burst['n']} new requests")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_all(results: dict[str, Any], raw_latency: dict[str, Any], out_dir: str) -> list[str]:
+    """Every figure of a bench run into ``out_dir``; returns the paths written."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [latency_plot(raw_latency, os.path.join(out_dir, "latency.png"))]
+    if "c" in results:
+        paths.append(modes_plot(results["c"]["modes"], os.path.join(out_dir, "modes.png")))
+    if "b" in results:
+        paths.append(burst_plot(results["b"], os.path.join(out_dir, "burst.png")))
+    return paths
+
+
+__all__ = ["burst_plot", "latency_plot", "modes_plot", "write_all"]

@@ -1,0 +1,456 @@
+"""The lookup path under a long run of random real faults: the soak, and the rig fault tests share.
+
+:class:`FaultRig` assembles the real parts: a Mooncake master (:class:`EmbeddedMaster`), a writer client
+that holds the truth (what was stored), a lookup server in a child process (:class:`~.faults.ServerProcess`,
+either transport) and our :class:`~.client.LookupClient` in this process. It checks every served hit
+against the truth: a hit above what the store holds is *wrong*; a hit for a lookup that was both asked and
+answered while the store was known to be empty (after a reset or a master crash, before re-filling) is
+*stale*.
+
+:func:`run_soak` drives the client like vLLM's scheduler does (lookups started at admission, polled once
+per step, some blocking), injects random faults between and during steps, and reports the figures the
+README's reliability section quotes. ``python -m mooncake_lookout.connector.soak --lookups 100000``
+prints them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import collections
+import contextlib
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+from mooncake_lookout.connector.client import LookupClient
+from mooncake_lookout.connector.config import LookupConfig
+from mooncake_lookout.connector.events import LookupRecord, NullObserver, Outcome
+from mooncake_lookout.connector.faults import ServerProcess
+from mooncake_lookout.connector.job import LookupResult
+from mooncake_lookout.connector.mooncake_master import EmbeddedMaster, open_writer_store
+from mooncake_lookout.connector.prefix_index import PrefixIndex
+from mooncake_lookout.connector.workload import WorkloadRequest, shared_prefix_workload
+
+BLOCK_SIZE = 16
+FAULTS = ("server_pause", "server_kill", "store_delay", "master_pause", "reset", "master_kill",
+          "abort_storm", "id_reuse")
+
+
+def rss_bytes() -> int:
+    """Resident memory of this process, from ``/proc/self/status``."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def poll_until(condition: Callable[[], bool], timeout_s: float, interval_s: float = 0.005) -> float | None:
+    """Call ``condition`` until true (bounded); seconds it took, or None if ``timeout_s`` passed."""
+    t0 = time.perf_counter()
+    while True:
+        if condition():
+            return time.perf_counter() - t0
+        if time.perf_counter() - t0 > timeout_s:
+            return None
+        time.sleep(interval_s)
+
+
+class Tally(NullObserver):
+    """Counts outcomes and scheduler-call times without keeping records (a soak must not grow)."""
+
+    def __init__(self) -> None:
+        self.outcomes: collections.Counter[str] = collections.Counter()
+        self.max_call_s = 0.0
+        self.calls = 0
+
+    def consumed(self, rec: LookupRecord) -> None:
+        self.outcomes[rec.outcome.value if rec.outcome else "?"] += 1
+
+    def discarded(self, rec: LookupRecord) -> None:
+        self.outcomes["discarded"] += 1
+
+
+@dataclass
+class Violations:
+    """Served hits that break a guarantee; all must stay empty."""
+
+    wrong: list[str] = field(default_factory=list)  # hit above what the store holds
+    stale: list[str] = field(default_factory=list)  # hit while the store was known empty
+    slow_calls: list[float] = field(default_factory=list)  # lookup() calls over the deadline + 5 ms
+    late_answers: list[float] = field(default_factory=list)  # None (ask again) served past the deadline
+    pending_left: list[int] = field(default_factory=list)  # pending lookups after a round ended
+
+    def empty(self) -> bool:
+        """True when no guarantee was broken."""
+        return not (self.wrong or self.stale or self.slow_calls or self.late_answers or self.pending_left)
+
+
+class FaultRig:
+    """A real master, a truth-holding writer, a lookup server process and our client, with truth checks.
+
+    ``transport``: ``pipelined`` or ``upstream``. ``config``: extra :class:`LookupConfig` fields (the
+    transport is set here). ``server_kwargs`` go to :class:`ServerProcess`.
+    """
+
+    def __init__(self, transport: str, *, config: dict[str, Any] | None = None,
+                 server_kwargs: dict[str, Any] | None = None, master: EmbeddedMaster | None = None) -> None:
+        self.transport = transport
+        self._stack = contextlib.ExitStack()
+        self.own_master = master is None
+        self.master = master if master is not None else self._stack.enter_context(EmbeddedMaster())
+        self.namespace = f"soak-{uuid.uuid4().hex[:10]}"
+        self.writer = open_writer_store(self.master.rpc_address, rpc_timeout_ms=2000)
+        self.truth_index = PrefixIndex(self.writer, BLOCK_SIZE, self.namespace)
+        self.rpc_base = tempfile.mkdtemp(prefix="lookout-rig-")
+        kwargs = dict(namespace=self.namespace, rpc_port=os.getpid() % 50_000 + 1, rpc_base_path=self.rpc_base,
+                      block_size=BLOCK_SIZE)
+        kwargs.update(server_kwargs or {})
+        self.server = ServerProcess(transport, self.master.rpc_address, **kwargs)
+        self._stack.callback(self.server.close)
+        self.server.start()
+        self.config = LookupConfig(**{"lookup_transport": transport, **(config or {})})
+        self.client = self.new_client()
+        self.stored: dict[bytes, int] = {}  # last hash of a stored prefix -> its blocks
+        self.empty_since: float | None = None  # the store is known empty from then until re-filled
+        self.violations = Violations()
+
+    def new_client(self, observer: Any = None) -> LookupClient:
+        """A client of this rig's transport on the server's address (closed with the rig)."""
+        from mooncake_lookout.connector.transports import make_transport
+
+        client = LookupClient(self.config, make_transport(self.config, self.server.address), observer=observer)
+        self._stack.callback(client.close)
+        return client
+
+    # -- truth ----------------------------------------------------------------------------------------------
+    def store(self, requests: Sequence[WorkloadRequest], blocks: Callable[[WorkloadRequest], int]) -> None:
+        """Store ``blocks(req)`` leading blocks of each request; they become the truth."""
+        prefixes = [r.block_hashes[:blocks(r)] for r in requests if blocks(r) > 0]
+        self._put(prefixes)
+        for p in prefixes:
+            for i in range(1, len(p) + 1):
+                self.stored[p[i - 1]] = i
+        self.empty_since = None
+
+    def _put(self, prefixes: list[tuple[bytes, ...]]) -> None:
+        # Right after a master restart the writer needs a moment to reconnect: retry (bounded).
+        deadline = time.perf_counter() + 15.0
+        while True:
+            try:
+                self.truth_index.store_prefixes(prefixes)
+                return
+            except Exception:
+                if time.perf_counter() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def truth(self, num_tokens: int, hashes: Sequence[bytes]) -> int:
+        """Tokens of the prefix the store holds, as the lookup server should count them."""
+        countable = min(len(hashes), max(0, (num_tokens - 1) // BLOCK_SIZE))
+        hit = 0
+        for i in range(countable):
+            if self.stored.get(hashes[i]) != i + 1:
+                break
+            hit = i + 1
+        return hit * BLOCK_SIZE
+
+    def check(self, req_id: str, num_tokens: int, hashes: Sequence[bytes], result: LookupResult,
+              t_submit: float) -> None:
+        """Record a violation if ``result`` is wrong or stale for the truth at the time."""
+        hit = result.hit_length
+        if hit > self.truth(num_tokens, hashes) or hit % BLOCK_SIZE:
+            self.violations.wrong.append(f"{req_id}: hit {hit} > truth {self.truth(num_tokens, hashes)}")
+        if hit and self.empty_since is not None and t_submit >= self.empty_since:
+            self.violations.stale.append(f"{req_id}: hit {hit} while the store was empty")
+
+    # -- faults -----------------------------------------------------------------------------------------------
+    def wipe(self) -> bool:
+        """``client.reset()`` (the server wipes the store, fenced); the store is empty until :meth:`restore`."""
+        ok = self.client.reset()
+        if ok:
+            self.empty_since = time.perf_counter()
+        return ok
+
+    def kill_master(self) -> None:
+        """Crash the master (SIGKILL) and start it on the same ports: every key is gone."""
+        self.master.kill()
+        self.empty_since = time.perf_counter()
+        self.master.start()
+
+    def restore(self, requests: Sequence[WorkloadRequest]) -> None:
+        """Put the truth back (after a wipe or a master crash)."""
+        prefixes = []
+        for r in requests:
+            n = max((self.stored.get(h, 0) for h in r.block_hashes), default=0)
+            if n:
+                prefixes.append(r.block_hashes[:n])
+        self.empty_since = None
+        self._put(prefixes)
+
+    def recovery_s(self, req: WorkloadRequest, timeout_s: float = 15.0) -> float | None:
+        """Seconds until a lookup of a stored request hits its truth again (bounded; the same client)."""
+        want = self.truth(req.num_tokens, req.block_hashes)
+        n = [0]
+
+        def hits() -> bool:
+            n[0] += 1
+            rid = f"recover-{n[0]}"
+            result = self.client.lookup(rid, req.num_tokens, req.block_hashes)
+            self.client.discard(rid)
+            return result.hit_length == want
+
+        return poll_until(hits, timeout_s, 0.01)
+
+    def close(self) -> None:
+        """Stop the client, the server process (and its standby) and, if the rig made it, the master."""
+        self._stack.close()
+        with contextlib.suppress(Exception):
+            self.writer.close()
+        import shutil
+
+        shutil.rmtree(self.rpc_base, ignore_errors=True)
+
+    def __enter__(self) -> "FaultRig":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class SoakReport:
+    """What a soak measured; ``ok`` is the verdict on every guarantee."""
+
+    transport: str
+    lookups: int
+    seconds: float
+    outcomes: dict[str, int]
+    faults: dict[str, int]
+    wrong_hits: int
+    stale_hits: int
+    max_call_ms: float
+    blocking_call_ms: dict[str, float]  # percentiles of blocking (sync-mode) lookup() calls
+    max_late_ms: float
+    pending_left_rounds: int
+    rss_growth_mb: float
+    max_recovery_s: float | None
+    recoveries_failed: int
+    timeout_ms: float
+    ok: bool
+    examples: dict[str, list[Any]] = field(default_factory=dict)  # first few violations of each kind
+
+    def as_text(self) -> str:
+        """A human-readable summary."""
+        return "\n".join(f"{k:>20}: {v}" for k, v in asdict(self).items())
+
+
+def run_soak(lookups: int = 100_000, *, transport: str = "pipelined", seed: int = 0, round_size: int = 64,
+             fault_rate: float = 0.02, timeout_ms: float = 50.0, master_kills: int = 1,
+             workload_size: int = 512, progress: Callable[[str], None] | None = None) -> SoakReport:
+    """Run ``lookups`` lookups with random real faults; returns the figures (see :class:`SoakReport`).
+
+    Each round admits ``round_size`` requests (lookups start at admission), then polls them once per
+    step, as vLLM's async scheduler does; one in eight asks blocking, as its sync mode does. With
+    probability ``fault_rate`` a round carries the next fault of :data:`FAULTS` (each kind once per cycle,
+    in a seeded order), injected while its lookups
+    are in flight and cleared before the round ends. ``master_kills`` bounds master crashes (each costs
+    seconds: Mooncake calls to a dead master block ~4.4 s).
+    """
+    rng = random.Random(seed)
+    tally = Tally()
+    step_s = 0.001
+    config = dict(lookup_timeout_ms=timeout_ms, lookup_breaker_failures=20, lookup_breaker_cooldown_s=0.2,
+                  lookup_max_pending=4096)
+    faults: collections.Counter[str] = collections.Counter()
+    recoveries: list[float] = []
+    recoveries_failed = 0
+    max_call = 0.0
+    max_late = 0.0
+    blocking_calls = array.array("d")
+    t_start = time.perf_counter()
+    with FaultRig(transport, config=config, server_kwargs=dict(delay_ms=timeout_ms * 2)) as rig:
+        client = rig.client
+        client.observers.add(tally)
+        work = shared_prefix_workload(workload_size, prefix_blocks=4, unique_blocks=4, num_prefixes=8, seed=seed)
+        work += shared_prefix_workload(workload_size // 4, prefix_blocks=0, unique_blocks=8, seed=seed + 1)  # cold
+        rig.store(work, lambda r: rng.choice((0, 0, 2, 4, 6, 8)))
+        probe = next(r for r in work if rig.truth(r.num_tokens, r.block_hashes) > 0)
+        done = 0
+        rnd = 0
+        rss0: int | None = None
+        kills_left = master_kills
+        order: list[str] = []
+        while done < lookups:
+            rnd += 1
+            if rss0 is None and done >= min(lookups // 20, 5000):
+                rss0 = rss_bytes()
+            batch = [work[rng.randrange(len(work))] for _ in range(min(round_size, lookups - done))]
+            ids = [f"r{rnd}-{i}" for i in range(len(batch))]
+            fault = None
+            if rng.random() < fault_rate:  # every kind in turn, in a seeded order, so a short soak has each
+                if not order:
+                    order = rng.sample(FAULTS, len(FAULTS))
+                fault = order.pop()
+            if fault == "master_kill" and kills_left <= 0:
+                fault = "master_pause"
+            submitted: dict[str, float] = {}
+            for rid, req in zip(ids, batch):
+                submitted[rid] = client.start(rid, req.num_tokens, req.block_hashes).rec.t_submit
+            cleanup: Callable[[], None] | None = None
+            inject_s = 0.0
+            if fault is not None:
+                faults[fault] += 1
+                t_inject = time.perf_counter()
+                cleanup = _inject(fault, rig, rng, ids, batch, work, submitted)
+                inject_s = time.perf_counter() - t_inject
+                if fault == "master_kill":
+                    kills_left -= 1
+            # Poll once per step until every request has its answer (or was discarded by a storm).
+            open_ids = [rid for rid in ids if client.has(rid)]
+            reqs = dict(zip(ids, batch))
+            steps = 0
+            while open_ids:
+                steps += 1
+                still = []
+                for rid in open_ids:
+                    req = reqs[rid]
+                    blocking = hash(rid) % 8 == 0
+                    t0 = time.perf_counter()
+                    result = client.lookup(rid, req.num_tokens, req.block_hashes, non_block=not blocking)
+                    t1 = time.perf_counter()
+                    max_call = max(max_call, t1 - t0)
+                    if blocking:
+                        blocking_calls.append(t1 - t0)
+                    if t1 - t0 > timeout_ms / 1000 + 0.005:
+                        rig.violations.slow_calls.append(t1 - t0)
+                    deadline = submitted[rid] + timeout_ms / 1000
+                    if result is None:
+                        if t0 > deadline:  # the scheduler was told "ask again" after the deadline
+                            rig.violations.late_answers.append(t0 - deadline)
+                        still.append(rid)
+                        continue
+                    if inject_s < 0.005:  # steps did not stop for the harness: the figure is the client's
+                        max_late = max(max_late, t1 - deadline)
+                    rig.check(rid, req.num_tokens, req.block_hashes, result, submitted[rid])
+                    client.discard(rid)
+                    done += 1
+                open_ids = still
+                if cleanup is not None and steps == 2:
+                    cleanup()
+                    cleanup = None
+                if open_ids:
+                    time.sleep(step_s)  # stands in for the model's forward pass between scheduler steps
+            if cleanup is not None:
+                cleanup()
+            if client.pending:
+                rig.violations.pending_left.append(client.pending)
+            if fault in ("server_kill", "server_pause", "master_pause", "master_kill", "store_delay", "reset"):
+                if fault in ("reset", "master_kill"):
+                    rig.restore(work)
+                took = rig.recovery_s(probe)
+                if took is None:
+                    recoveries_failed += 1
+                else:
+                    recoveries.append(took)
+            if progress is not None and rnd % 200 == 0:
+                progress(f"{done} lookups, {dict(faults)}, {len(recoveries)} recoveries, "
+                         f"rss {rss_bytes() / 2**20:.1f} MiB")
+        rss1 = rss_bytes()
+        v = rig.violations
+        report = SoakReport(
+            transport=transport, lookups=done, seconds=round(time.perf_counter() - t_start, 1),
+            outcomes=dict(tally.outcomes), faults=dict(faults), wrong_hits=len(v.wrong), stale_hits=len(v.stale),
+            max_call_ms=round(max_call * 1000, 2), blocking_call_ms=_percentiles(blocking_calls), max_late_ms=round(max_late * 1000, 2),
+            pending_left_rounds=len(v.pending_left), rss_growth_mb=round((rss1 - (rss0 or rss1)) / 2**20, 2),
+            max_recovery_s=round(max(recoveries), 3) if recoveries else None,
+            recoveries_failed=recoveries_failed, timeout_ms=timeout_ms, ok=False,
+            examples={k: list(getattr(v, k))[:5] for k in ("wrong", "stale", "slow_calls", "late_answers",
+                                                            "pending_left")})
+        report.ok = (v.empty() and recoveries_failed == 0 and report.rss_growth_mb < 10
+                     and (report.max_recovery_s or 0) < 5.0 and client.pending == 0)
+    return report
+
+
+def _percentiles(values: "array.array[float]") -> dict[str, float]:
+    ordered = sorted(values)
+    if not ordered:
+        return {}
+    pick = lambda q: round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000, 3)  # noqa: E731
+    return {"n": len(ordered), "p50": pick(0.5), "p99": pick(0.99), "p99.9": pick(0.999),
+            "max": round(ordered[-1] * 1000, 3)}
+
+
+def _inject(fault: str, rig: FaultRig, rng: random.Random, ids: list[str], batch: list[WorkloadRequest],
+            work: list[WorkloadRequest], submitted: dict[str, float]) -> Callable[[], None] | None:
+    """Start ``fault`` while the round's lookups are in flight; returns what clears it (or None).
+
+    Lookups the fault restarts (a reset drops them, a reused id replaces them) get their new submit time.
+    """
+    client = rig.client
+    if fault == "server_pause":
+        rig.server.pause()
+        return rig.server.resume
+    if fault == "server_kill":
+        rig.server.kill()
+        return rig.server.start
+    if fault == "store_delay":
+        rig.server.set_delay(True)
+        return lambda: rig.server.set_delay(False)
+    if fault == "master_pause":
+        rig.master.pause()
+        return rig.master.resume
+    if fault == "master_kill":
+        rig.kill_master()
+        return None
+    if fault == "reset":
+        rig.wipe()
+        for rid, req in zip(ids, batch):  # the scheduler asks again: fresh lookups of the new generation
+            submitted[rid] = client.start(rid, req.num_tokens, req.block_hashes).rec.t_submit
+        return None
+    if fault == "abort_storm":  # every request of the round aborted at once, answered or not
+        for rid in ids:
+            client.discard(rid)
+        return None
+    if fault == "id_reuse":  # the same ids come back with other prompts: the old answers must not be served
+        for i, rid in enumerate(ids[: len(ids) // 2]):
+            other = work[rng.randrange(len(work))]
+            client.discard(rid)
+            batch[i] = other
+            submitted[rid] = client.start(rid, other.num_tokens, other.block_hashes).rec.t_submit
+        return None
+    raise ValueError(f"unknown fault {fault!r}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m mooncake_lookout.connector.soak``: run a soak and print its figures (exit 1 if a guarantee broke)."""
+    p = argparse.ArgumentParser(prog="python -m mooncake_lookout.connector.soak", description=__doc__.split("\n\n")[0])
+    p.add_argument("--lookups", type=int, default=100_000)
+    p.add_argument("--transport", choices=("pipelined", "upstream"), default="pipelined")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fault-rate", type=float, default=0.02, help="share of rounds that carry a fault")
+    p.add_argument("--timeout-ms", type=float, default=50.0)
+    p.add_argument("--master-kills", type=int, default=1)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = p.parse_args(argv)
+    report = run_soak(args.lookups, transport=args.transport, seed=args.seed, fault_rate=args.fault_rate,
+                      timeout_ms=args.timeout_ms, master_kills=args.master_kills,
+                      progress=lambda s: print(s, file=sys.stderr, flush=True))
+    if args.json:
+        print(json.dumps({k: v for k, v in asdict(report).items()}, indent=2))
+    else:
+        print(report.as_text())
+    return 0 if report.ok else 1
+
+
+__all__ = ["FAULTS", "FaultRig", "SoakReport", "Tally", "Violations", "main", "poll_until", "rss_bytes", "run_soak"]
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""Security basics, checked on real processes: the standalone server's IPC socket is private (0700 folder,
+0600 socket) and its TCP listener is on loopback unless configured; vLLM's lookup channel lives in a private
+folder; the server enforces its frame and hash-count limits; no raw request id reaches a metric label.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import queue
+import threading
+import stat
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from typing import Any, Iterator
+
+import msgspec
+import pytest
+import zmq
+from prometheus_client import CollectorRegistry, generate_latest
+
+from mooncake_lookout.connector import protocol, upstream_wire
+from mooncake_lookout.connector.client import LookupClient
+from mooncake_lookout.connector.config import LookupConfig
+from mooncake_lookout.connector.faults import ServerProcess
+from mooncake_lookout.connector.pipelined import PipelinedTransport
+from mooncake_lookout.connector.server import HARD_MAX_MESSAGE_BYTES
+from mooncake_lookout.connector.workload import unique_hashes
+from mooncake_lookout.metrics import catalogue
+from mooncake_lookout.metrics.prometheus_sink import PrometheusSink
+
+_enc = msgspec.msgpack.Encoder()
+
+
+class Serve:
+    """``python -m mooncake_lookout.connector.serve_cli`` as a child process, killed by pid."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "mooncake_lookout.connector.serve_cli", *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=dict(os.environ, MC_LOG_LEVEL="ERROR"), start_new_session=True)
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def wait_for(self, prefix: str, timeout_s: float = 60.0) -> str:
+        """Wait (bounded) for an output line starting with ``prefix``; its rest."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0, "no such line in time:\n" + "\n".join(self.lines)
+            try:
+                line = self._queue.get(timeout=left)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise AssertionError("serve exited:\n" + "\n".join(self.lines))
+            self.lines.append(line.rstrip())
+            if line.startswith(prefix):
+                return line[len(prefix):].strip()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def serve(mooncake_master: Any) -> Iterator[Any]:
+    started: list[Serve] = []
+
+    def start(*args: str) -> Serve:
+        started.append(Serve("--master", mooncake_master.rpc_address, *args))
+        return started[-1]
+
+    yield start
+    for s in started:
+        s.close()
+
+
+def _listeners(port: int) -> set[str]:
+    """Local addresses (hex, as in /proc/net/tcp) in LISTEN state on ``port``."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.readlines()[1:]:
+                local, state = row.split()[1], row.split()[3]
+                addr, p = local.split(":")
+                if state == "0A" and int(p, 16) == port:
+                    found.add(addr)
+    return found
+
+
+def test_standalone_server_ipc_socket_is_private(serve) -> None:
+    s = serve()
+    path = s.wait_for("listening on ").removeprefix("ipc://")
+    assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(path).st_mode) & 0o077 == 0, oct(os.stat(path).st_mode)
+
+
+def test_standalone_server_tcp_listens_on_loopback_only(serve) -> None:
+    s = serve("--tcp-port", "0", "--metrics-port", "0")
+    metrics = s.wait_for("metrics on ")
+    address = s.wait_for("listening on ")
+    m = re.fullmatch(r"tcp://127\.0\.0\.1:(\d+)", address)
+    assert m, address
+    assert _listeners(int(m.group(1))) == {"0100007F"}, "the lookup port listens beyond loopback"
+    mport = int(re.search(r":(\d+)/", metrics).group(1))  # type: ignore[union-attr]
+    assert _listeners(mport) == {"0100007F"}, "the metrics port listens beyond loopback"
+
+
+def test_a_shared_folder_is_refused(serve, tmp_path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    s = serve("--address", f"ipc://{shared}/lookup.sock")
+    s.proc.wait(60)
+    with pytest.raises(AssertionError, match="serve exited"):
+        s.wait_for("listening on ")
+    out = "\n".join(s.lines)
+    assert s.proc.returncode != 0 and "0700" in out, out
+    assert not (shared / "lookup.sock").exists()
+
+
+def test_vllm_lookup_channel_lives_in_a_private_folder(mooncake_master, rpc_base_path) -> None:
+    with ServerProcess("upstream", mooncake_master.rpc_address, namespace="sec", rpc_port=4242,
+                       rpc_base_path=rpc_base_path, standby=False) as server:
+        path = server.address.removeprefix("ipc://")
+        assert os.path.dirname(path) == rpc_base_path
+        assert stat.S_IMODE(os.stat(rpc_base_path).st_mode) == 0o700
+
+
+@pytest.fixture(scope="module")
+def served(mooncake_master: Any) -> Iterator[ServerProcess]:
+    with ServerProcess("pipelined", mooncake_master.rpc_address, namespace=f"sec-{uuid.uuid4().hex[:8]}",
+                       standby=False) as server:
+        yield server
+
+
+def _ask(address: str, frames: list[bytes], req_envelope: bool = False) -> list[bytes]:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(address)
+        sock.send_multipart(([b""] if req_envelope else []) + frames)
+        assert sock.poll(10_000, zmq.POLLIN), "no reply"
+        return sock.recv_multipart()
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def test_hash_count_and_size_limits_are_enforced(served: ServerProcess) -> None:
+    header = _enc.encode(protocol.Header(protocol.VERSION, 5, protocol.OP_LOOKUP))
+    too_many = _enc.encode(protocol.LookupBody(10, [b"h"] * (protocol.MAX_HASHES + 1)))
+    reply = protocol.decode_reply(_ask(served.address, [header, too_many])[0])
+    assert reply.status == protocol.BAD_REQUEST and str(protocol.MAX_HASHES) in reply.reason
+    too_long = _enc.encode(protocol.LookupBody(10, [b"h" * (protocol.MAX_HASH_BYTES + 1)]))
+    reply = protocol.decode_reply(_ask(served.address, [header, too_long])[0])
+    assert reply.status == protocol.BAD_REQUEST
+    # vLLM's format: the same hash-count limit, answered with its error byte.
+    frames = upstream_wire.encode_lookup(10, [b"h"] * (protocol.MAX_HASHES + 1))
+    assert _ask(served.address, frames, req_envelope=True)[1] == upstream_wire.RESP_ERR
+
+
+def test_a_message_over_the_hard_limit_is_dropped_and_the_server_goes_on(served: ServerProcess) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(served.address)
+        header = _enc.encode(protocol.Header(protocol.VERSION, 6, protocol.OP_LOOKUP))
+        sock.send_multipart([header, b"\x00" * (HARD_MAX_MESSAGE_BYTES + 1)])
+        assert not sock.poll(500, zmq.POLLIN), "a message over ZMQ's limit should be dropped, not read"
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+    assert served.running
+    hashes = unique_hashes(2, seed=3)
+    reply = protocol.decode_reply(_ask(served.address, protocol.encode_lookup(7, 33, hashes))[0])
+    assert reply.request_id == 7 and reply.status in (protocol.OK, protocol.MISS)
+
+
+def test_no_raw_request_id_in_metric_labels(served: ServerProcess) -> None:
+    registry = CollectorRegistry()
+    cfg = LookupConfig(lookup_timeout_ms=500, lookup_transport="pipelined")
+    sink = PrometheusSink(cfg, registry)
+    client = LookupClient(cfg, PipelinedTransport(served.address, timeout_s=cfg.timeout_s), observer=sink)
+    secret = f"req-secret-{uuid.uuid4().hex}"
+    try:
+        for i in range(20):
+            client.lookup(f"{secret}-{i}", 33, unique_hashes(2, seed=i), non_block=(i % 2 == 0))
+        client.discard(f"{secret}-0")
+        client.observers.scheduler_call("sync", 0.001)
+    finally:
+        client.close()
+    text = generate_latest(registry).decode()
+    assert "req-secret" not in text and secret not in text
+    allowed = {label for spec in catalogue.CATALOGUE for label in spec.labels} | {"le"}
+    for family in registry.collect():
+        for sample in family.samples:
+            assert set(sample.labels) <= allowed, (sample.name, sample.labels)
+
+
+def test_server_metrics_carry_no_request_id(serve) -> None:
+    s = serve("--tcp-port", "0", "--metrics-port", "0")
+    metrics = s.wait_for("metrics on ")
+    address = s.wait_for("listening on ")
+    secret = f"req-secret-{uuid.uuid4().hex}"
+    cfg = LookupConfig(lookup_timeout_ms=2000, lookup_transport="pipelined")
+    client = LookupClient(cfg, PipelinedTransport(address, timeout_s=cfg.timeout_s))
+    try:
+        for i in range(10):
+            client.lookup(f"{secret}-{i}", 33, unique_hashes(2, seed=i))
+    finally:
+        client.close()
+    with urllib.request.urlopen(metrics, timeout=5) as resp:
+        text = resp.read().decode()
+    assert catalogue.SERVER_REQUESTS.name in text and "req-secret" not in text
