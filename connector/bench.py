@@ -84,6 +84,7 @@ def run_bench(out_dir: str, *, quick: bool = False, log: Callable[[str], None] =
         results["d"] = bench_overhead.run(rig, call_reqs, rounds=sizes.overhead_rounds)
         log("(e) store slowed, then stopped ...")
         results["e"] = bench_fault.run(rig, call_reqs[:sizes.fault_requests], wait_s=sizes.fault_wait_s)
+    results["machine"]["loadavg_at_end"] = list(os.getloadavg())
     results["targets"] = targets(results)
     results["seconds"] = time.perf_counter() - t_start
     os.makedirs(out_dir, exist_ok=True)
@@ -104,7 +105,9 @@ def _json_default(obj: Any) -> Any:
 
 
 def _machine() -> dict[str, Any]:
-    return {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()}
+    # The load average matters on a shared machine: other work on the cores shows up in every latency.
+    return {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform(),
+            "loadavg_at_start": list(os.getloadavg())}
 
 
 def _mode(results: dict[str, Any], label: str) -> dict[str, Any]:
@@ -170,14 +173,15 @@ def _f(v: Any, digits: int = 1) -> str:
 
 def format_report(r: dict[str, Any]) -> str:
     """The human-readable report: one block per scenario, then the targets."""
+    load = r["machine"].get("loadavg_at_start", [float("nan")])[0]
     lines = [f"mooncake-lookout bench ({'quick' if r['quick'] else 'full'}; {r['machine']['cpus']} CPUs, "
-             f"Python {r['machine']['python']})", ""]
+             f"Python {r['machine']['python']}, load average {load:.2f} at start)", ""]
     lines.append("(a) scheduler-path cost of one lookup call, us (ours with metrics+spans on)")
-    lines.append(f"  {'client':22} {'sync p50':>9} {'sync p99':>9} {'async 1st p50':>14} {'async/lookup p50':>17} "
+    lines.append(f"  {'client':26} {'sync p50':>9} {'sync p99':>9} {'async 1st p50':>14} {'async/lookup p50':>17} "
                  f"{'x upstream':>10}")
     base = r["a"]["upstream"]["async_per_lookup_us"]["p50"]
     for name, v in r["a"].items():
-        lines.append(f"  {name:22} {_f(v['sync_call_us']['p50']):>9} {_f(v['sync_call_us']['p99']):>9} "
+        lines.append(f"  {name:26} {_f(v['sync_call_us']['p50']):>9} {_f(v['sync_call_us']['p99']):>9} "
                      f"{_f(v['async_first_call_us']['p50']):>14} {_f(v['async_per_lookup_us']['p50']):>17} "
                      f"{_f(v['async_per_lookup_us']['p50'] / base, 2):>10}")
     b = r["b"]

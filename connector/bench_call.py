@@ -16,6 +16,7 @@ from mooncake_lookout.connector.bench_rig import Rig, close_upstream_client, obs
 from mooncake_lookout.connector.workload import WorkloadRequest
 
 CLIENTS = ("upstream", "ours/upstream-wire", "ours/pipelined")
+NO_SPANS = "ours/pipelined, no spans"
 
 
 def make_client(rig: Rig, name: str, telemetry: bool = True, *, metrics: bool = True, spans: bool = True,
@@ -76,8 +77,10 @@ def time_async(client: Any, requests: Sequence[WorkloadRequest], tag: str, step_
 def run(rig: Rig, requests: Sequence[WorkloadRequest], *, step_s: float = 0.001) -> dict[str, Any]:
     """Scenario (a) for every client; figures in microseconds, raw seconds under ``raw`` for plots."""
     out: dict[str, Any] = {"raw": {}}
-    for name in CLIENTS:
-        client, close = make_client(rig, name, telemetry=True)
+    # The last row is a diagnosis, not a target: ours with metrics but no spans.
+    for name in (*CLIENTS, NO_SPANS):
+        client, close = (make_client(rig, "ours/pipelined", spans=False) if name == NO_SPANS
+                         else make_client(rig, name, telemetry=True))
         try:
             time_sync(client, requests[:20], "warm")
             sync = time_sync(client, requests, "sync")
@@ -90,4 +93,4 @@ def run(rig: Rig, requests: Sequence[WorkloadRequest], *, step_s: float = 0.001)
     return out
 
 
-__all__ = ["CLIENTS", "make_client", "run", "time_async", "time_sync"]
+__all__ = ["CLIENTS", "NO_SPANS", "make_client", "run", "time_async", "time_sync"]

@@ -262,7 +262,7 @@ class ServerProcess:
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def start(self) -> "ServerProcess":
-        """Start a server (the standby if one is ready, on the address of the previous start) and wait until it serves."""
+        """Start a server (the standby if one is ready; the previous start's address) and wait until it serves."""
         if self.running:
             return self
         t0 = time.perf_counter()

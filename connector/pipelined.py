@@ -20,7 +20,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import os
 import queue
 import threading
 import time
@@ -32,50 +31,10 @@ import zmq
 from mooncake_lookout.connector import protocol
 from mooncake_lookout.connector.events import Outcome
 from mooncake_lookout.connector.job import Answer, LookupJob
+from mooncake_lookout.connector.waker import Waker
 from mooncake_lookout.connector.transport import Transport, TransportClosed
 
 logger = logging.getLogger(__name__)
-
-
-class Waker:
-    """Wakes a thread blocked in ``zmq.Poller.poll`` from any other thread, without a lock or a socket.
-
-    An eventfd on Linux (a pipe elsewhere): register :attr:`fd` for ``zmq.POLLIN``, call :meth:`wake`
-    from any thread and :meth:`clear` on the polling thread once woken.
-    """
-
-    def __init__(self) -> None:
-        if hasattr(os, "eventfd"):
-            self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-            self._wfd = self.fd
-        else:  # pragma: no cover - non-Linux
-            self.fd, self._wfd = os.pipe()
-            os.set_blocking(self.fd, False)
-            os.set_blocking(self._wfd, False)
-        self._closed = False
-
-    def wake(self) -> None:
-        """Make the next (or current) poll on :attr:`fd` return."""
-        try:
-            os.write(self._wfd, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-        except (BlockingIOError, OSError):  # already signalled enough, or closed
-            pass
-
-    def clear(self) -> None:
-        """Consume the pending signals (polling thread)."""
-        try:
-            os.read(self.fd, 4096)
-        except (BlockingIOError, OSError):
-            pass
-
-    def close(self) -> None:
-        """Release the descriptor(s); call once, after the polling thread is gone."""
-        if self._closed:
-            return
-        self._closed = True
-        os.close(self.fd)
-        if self._wfd != self.fd:
-            os.close(self._wfd)
 
 
 class _Reset:
@@ -351,4 +310,4 @@ class PipelinedTransport(Transport):
                 item.future.cancel()
 
 
-__all__ = ["PipelinedTransport", "Waker"]
+__all__ = ["PipelinedTransport"]

@@ -13,7 +13,7 @@ malformed frame. This server
   until it is done, so no lookup straddles a wipe.
 
 Threads: one IO thread owns the ROUTER and the request queue; pool threads only call the backend and
-hand results back through a ``queue.SimpleQueue`` plus a :class:`~.pipelined.Waker`. ``close()`` from any
+hand results back through a ``queue.SimpleQueue`` plus a :class:`~.waker.Waker`. ``close()`` from any
 thread sets a flag and wakes the IO thread, which closes its own socket.
 """
 
@@ -39,7 +39,7 @@ import zmq
 from mooncake_lookout.connector import protocol
 from mooncake_lookout.connector import upstream_wire
 from mooncake_lookout.connector.job import LookupResult
-from mooncake_lookout.connector.pipelined import Waker
+from mooncake_lookout.connector.waker import Waker
 
 logger = logging.getLogger(__name__)
 

@@ -22,16 +22,17 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 from mooncake_lookout.connector.client import LookupClient
 from mooncake_lookout.connector.config import LookupConfig
-from mooncake_lookout.connector.events import LookupRecord, NullObserver, Outcome
+from mooncake_lookout.connector.events import LookupRecord, NullObserver
 from mooncake_lookout.connector.faults import ServerProcess
 from mooncake_lookout.connector.job import LookupResult
 from mooncake_lookout.connector.mooncake_master import EmbeddedMaster, open_writer_store
@@ -105,22 +106,32 @@ class FaultRig:
         self.transport = transport
         self._stack = contextlib.ExitStack()
         self.own_master = master is None
-        self.master = master if master is not None else self._stack.enter_context(EmbeddedMaster())
         self.namespace = f"soak-{uuid.uuid4().hex[:10]}"
-        self.writer = open_writer_store(self.master.rpc_address, rpc_timeout_ms=2000)
-        self.truth_index = PrefixIndex(self.writer, BLOCK_SIZE, self.namespace)
         self.rpc_base = tempfile.mkdtemp(prefix="lookout-rig-")
-        kwargs = dict(namespace=self.namespace, rpc_port=os.getpid() % 50_000 + 1, rpc_base_path=self.rpc_base,
-                      block_size=BLOCK_SIZE)
-        kwargs.update(server_kwargs or {})
-        self.server = ServerProcess(transport, self.master.rpc_address, **kwargs)
-        self._stack.callback(self.server.close)
-        self.server.start()
-        self.config = LookupConfig(**{"lookup_transport": transport, **(config or {})})
-        self.client = self.new_client()
+        self._stack.callback(shutil.rmtree, self.rpc_base, True)
         self.stored: dict[bytes, int] = {}  # last hash of a stored prefix -> its blocks
         self.empty_since: float | None = None  # the store is known empty from then until re-filled
         self.violations = Violations()
+        try:  # a failed start must not leave a master or a server process behind
+            self.master = master if master is not None else self._stack.enter_context(EmbeddedMaster())
+            self.writer = open_writer_store(self.master.rpc_address, rpc_timeout_ms=2000)
+            self._stack.callback(self._close_writer)
+            self.truth_index = PrefixIndex(self.writer, BLOCK_SIZE, self.namespace)
+            kwargs = dict(namespace=self.namespace, rpc_port=os.getpid() % 50_000 + 1,
+                          rpc_base_path=self.rpc_base, block_size=BLOCK_SIZE)
+            kwargs.update(server_kwargs or {})
+            self.server = ServerProcess(transport, self.master.rpc_address, **kwargs)
+            self._stack.callback(self.server.close)
+            self.server.start()
+            self.config = LookupConfig(**{"lookup_transport": transport, **(config or {})})
+            self.client = self.new_client()
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def _close_writer(self) -> None:
+        with contextlib.suppress(Exception):
+            self.writer.close()
 
     def new_client(self, observer: Any = None) -> LookupClient:
         """A client of this rig's transport on the server's address (closed with the rig)."""
@@ -133,7 +144,7 @@ class FaultRig:
     # -- truth ----------------------------------------------------------------------------------------------
     def store(self, requests: Sequence[WorkloadRequest], blocks: Callable[[WorkloadRequest], int]) -> None:
         """Store ``blocks(req)`` leading blocks of each request; they become the truth."""
-        prefixes = [r.block_hashes[:blocks(r)] for r in requests if blocks(r) > 0]
+        prefixes = [p for p in (r.block_hashes[:blocks(r)] for r in requests) if p]
         self._put(prefixes)
         for p in prefixes:
             for i in range(1, len(p) + 1):
@@ -210,13 +221,8 @@ class FaultRig:
         return poll_until(hits, timeout_s, 0.01)
 
     def close(self) -> None:
-        """Stop the client, the server process (and its standby) and, if the rig made it, the master."""
+        """Stop the client, the server process (and its standby), the writer and, if the rig made it, the master."""
         self._stack.close()
-        with contextlib.suppress(Exception):
-            self.writer.close()
-        import shutil
-
-        shutil.rmtree(self.rpc_base, ignore_errors=True)
 
     def __enter__(self) -> "FaultRig":
         return self
@@ -368,7 +374,8 @@ def run_soak(lookups: int = 100_000, *, transport: str = "pipelined", seed: int 
         report = SoakReport(
             transport=transport, lookups=done, seconds=round(time.perf_counter() - t_start, 1),
             outcomes=dict(tally.outcomes), faults=dict(faults), wrong_hits=len(v.wrong), stale_hits=len(v.stale),
-            max_call_ms=round(max_call * 1000, 2), blocking_call_ms=_percentiles(blocking_calls), max_late_ms=round(max_late * 1000, 2),
+            max_call_ms=round(max_call * 1000, 2), blocking_call_ms=_percentiles(blocking_calls),
+            max_late_ms=round(max_late * 1000, 2),
             pending_left_rounds=len(v.pending_left), rss_growth_mb=round((rss1 - (rss0 or rss1)) / 2**20, 2),
             max_recovery_s=round(max(recoveries), 3) if recoveries else None,
             recoveries_failed=recoveries_failed, timeout_ms=timeout_ms, ok=False,

@@ -15,7 +15,7 @@ PROMQL_WORDS = frozenset({
     "sum", "min", "max", "avg", "count", "stddev", "stdvar", "topk", "bottomk", "quantile", "count_values", "group",
     "rate", "irate", "increase", "delta", "idelta", "deriv", "histogram_quantile", "max_over_time",
     "min_over_time", "avg_over_time", "sum_over_time", "count_over_time", "last_over_time", "absent",
-    "absent_over_time", "clamp_min", "clamp_max", "label_replace", "vector", "scalar", "time", "abs",
+    "absent_over_time", "clamp", "clamp_min", "clamp_max", "label_replace", "vector", "scalar", "time", "abs",
     "by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "bool", "offset",
 })
 _SELECTOR = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\s*\{([^}]*)\}")

@@ -11,6 +11,7 @@ from mooncake_lookout.metrics import catalogue as c
 
 import known_metrics as km
 import queries as q
+from alerts import PENDING_SHARE
 from panels import Panels, Query, value_text
 from variables import link_to, variables
 
@@ -48,8 +49,9 @@ def _health(p: Panels) -> list[Any]:
                "(both answer a miss: the request recomputes).",
                [Query(q.ratio(_outcome_rate(FAILED), q.counter_rate(c.REQUESTS)), "failed")], "percentunit",
                thresholds=[(None, "green"), (0.01, "orange"), (0.05, "red")]),
-        p.stat("Pending lookups", "Lookups submitted and not yet used or discarded, summed over instances.",
-               [Query(q.gauge(c.PENDING.name), "pending")], "none"),
+        p.stat("Pending lookups", "Lookups submitted and not yet used or discarded, and the configured bound "
+               "(lookup_max_pending), each summed over instances.",
+               [Query(q.gauge(c.PENDING.name), "pending"), Query(q.gauge(c.MAX_PENDING.name), "bound")], "none"),
         p.stat("Circuit breaker", "Open on any selected instance: lookups answer a miss at once.",
                [Query(q.gauge(c.BREAKER_OPEN.name, "max"), "breaker")], "none",
                thresholds=[(None, "green"), (1, "red")], mappings=[breaker]),
@@ -81,11 +83,23 @@ def _latency_row(p: Panels) -> list[Any]:
     ]
 
 
+def _bound_dashed(panel: Any) -> Any:
+    """Draw the series whose legend starts with "bound" as dashed lines without fill: limits, not load."""
+    matcher = dm.MatcherConfig(id_val="byRegexp", options="^bound .*")
+    return panel.with_override(matcher, [
+        dm.DynamicConfigValue(id_val="custom.lineStyle", value={"fill": "dash", "dash": [10, 10]}),
+        dm.DynamicConfigValue(id_val="custom.fillOpacity", value=0),
+    ])
+
+
 def _scheduler(p: Panels) -> list[Any]:
     return [
-        p.timeseries("Pending lookups", "Lookups in flight or waiting, per instance. Past lookup_max_pending "
-                     "new lookups are rejected (answered as a miss).",
-                     [Query(q.gauge(c.PENDING.name, "sum", BY_INSTANCE), "{{instance}}")], "none", width=8),
+        _bound_dashed(p.timeseries(
+            "Pending lookups", "Lookups in flight or waiting, per instance, and each instance's bound "
+            "(lookup_max_pending, dashed). Past the bound new lookups are rejected (answered as a miss); the "
+            f"alert fires at {PENDING_SHARE:.0%} of it.",
+            [Query(q.gauge(c.PENDING.name, "sum", BY_INSTANCE), "pending {{instance}}"),
+             Query(q.gauge(c.MAX_PENDING.name, "sum", BY_INSTANCE), "bound {{instance}}")], "none", width=8)),
         p.timeseries("Deferrals per second", "Times the scheduler got 'not ready' and retried the request on a "
                      "later step.", [Query(q.counter_rate(c.DEFERRALS, BY_INSTANCE), "{{instance}}")],
                      "ops", width=8),

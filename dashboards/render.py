@@ -86,9 +86,13 @@ def _draw(ax: Any, panel: dict[str, Any], runs: list[QueryRun]) -> None:
     if kind in ("stat", "table"):
         ax.axis("off")
         if kind == "stat":
-            last = [ys[-1] for _, _, ys in series if ys and math.isfinite(ys[-1])]
-            value = sum(last) if last else float("nan")
-            ax.text(0.5, 0.4, fmt(value, unit), fontsize=16, ha="center", va="center", transform=ax.transAxes)
+            # As Grafana does: one big value per series, titled by its legend when there are several.
+            last = [(name, ys[-1]) for name, _, ys in series if ys and math.isfinite(ys[-1])]
+            if len(last) > 1:
+                text, size = "   ".join(f"{name} {fmt(value, unit)}" for name, value in last), 10
+            else:
+                text, size = fmt(last[0][1] if last else float("nan"), unit), 16
+            ax.text(0.5, 0.4, text, fontsize=size, ha="center", va="center", transform=ax.transAxes)
         else:
             rows = [name for name, _, _ in series][:6]
             ax.text(0, 0.9, "\n".join(rows) or "no data", fontsize=5.5, va="top", family="monospace",

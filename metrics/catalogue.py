@@ -58,6 +58,7 @@ REQUESTS = _m("requests", "counter", "Lookups by how they ended.", ("outcome",))
 QUERIED_TOKENS = _m("queried_tokens", "counter", "Prompt tokens asked about.")
 HIT_TOKENS = _m("hit_tokens", "counter", "Prompt tokens found in the store.")
 PENDING = _m("pending", "gauge", "Lookups submitted and not yet consumed or discarded.")
+MAX_PENDING = _m("max_pending", "gauge", "The configured bound on pending lookups (lookup_max_pending).")
 DEFERRALS = _m("deferrals", "counter", "Times the scheduler got None and retried on a later step.")
 DEFERRED_STEPS = _m("deferred_steps", "histogram",
                     "Per lookup: scheduler steps deferred before its answer was used.", (), STEPS_BUCKETS)
@@ -84,8 +85,8 @@ SERVER_STORE_ERRORS = _m("server_store_errors", "counter", "Store calls that fai
                          side="server")
 
 CATALOGUE: tuple[MetricSpec, ...] = (
-    REQUESTS, QUERIED_TOKENS, HIT_TOKENS, PENDING, DEFERRALS, DEFERRED_STEPS, QUEUE_SECONDS, RPC_SECONDS,
-    SECONDS, SCHEDULER_BLOCKED_SECONDS, BREAKER_OPEN, LATE_REPLIES, INFO,
+    REQUESTS, QUERIED_TOKENS, HIT_TOKENS, PENDING, MAX_PENDING, DEFERRALS, DEFERRED_STEPS, QUEUE_SECONDS,
+    RPC_SECONDS, SECONDS, SCHEDULER_BLOCKED_SECONDS, BREAKER_OPEN, LATE_REPLIES, INFO,
     SERVER_REQUESTS, SERVER_QUEUE_DEPTH, SERVER_INFLIGHT, SERVER_STORE_SECONDS, SERVER_BATCH_SIZE,
     SERVER_STORE_ERRORS,
 )

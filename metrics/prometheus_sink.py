@@ -57,6 +57,7 @@ class PrometheusSink(NullObserver):
         self._queried = make_metric(cat.QUERIED_TOKENS, registry)
         self._hit = make_metric(cat.HIT_TOKENS, registry)
         self._pending = make_metric(cat.PENDING, registry)
+        self._max_pending = make_metric(cat.MAX_PENDING, registry)
         self._deferrals = make_metric(cat.DEFERRALS, registry)
         self._deferred_steps = make_metric(cat.DEFERRED_STEPS, registry)
         self._queue = make_metric(cat.QUEUE_SECONDS, registry)
@@ -72,9 +73,14 @@ class PrometheusSink(NullObserver):
             self.set_config(config)
 
     def set_config(self, config: LookupConfig) -> None:
-        """Publish ``config`` as the ``info`` series (value 1), replacing any earlier one."""
+        """Publish ``config``: the ``info`` series (value 1, replacing any earlier one) and the pending bound.
+
+        The bound is a gauge of its own because PromQL cannot read a label as a number: alerts and
+        panels divide ``pending`` by it.
+        """
         self._info.clear()
         self._info.labels(**info_labels(config)).set(1)
+        self._max_pending.set(config.lookup_max_pending)
 
     def submitted(self, rec: LookupRecord) -> None:
         self._pending.inc()

@@ -53,6 +53,7 @@ _HIT = cat.HIT_TOKENS.key
 _DEFERRALS = cat.DEFERRALS.key
 _LATE = cat.LATE_REPLIES.key
 _PENDING = cat.PENDING.key
+_MAX_PENDING = cat.MAX_PENDING.key
 _BREAKER = cat.BREAKER_OPEN.key
 _STEPS = cat.DEFERRED_STEPS.key
 _QUEUE = cat.QUEUE_SECONDS.key
@@ -232,16 +233,17 @@ class LookoutPromMetrics(KVConnectorPromMetrics):
         return child
 
     def _publish_info(self, vllm_config: Any) -> None:
-        """Set the ``info`` series from the connector's extra config, for every engine."""
+        """Set the ``info`` series and the pending bound from the connector's extra config, for every engine."""
         ktc = getattr(vllm_config, "kv_transfer_config", None)
         try:
             config = LookupConfig.from_extra_config(getattr(ktc, "kv_connector_extra_config", None) or {})
         except ConfigError as exc:  # the connector itself fails at start-up with this message
-            logger.warning("mooncake-lookout info metric not published: %s", exc)
+            logger.warning("mooncake-lookout info metrics not published: %s", exc)
             return
         values = list(info_labels(config).values())
-        for labelvalues in self.per_engine_labelvalues.values():
+        for engine_idx, labelvalues in self.per_engine_labelvalues.items():
             self._families[cat.INFO.key].labels(*labelvalues, *values).set(1)
+            self._child(engine_idx, _MAX_PENDING).set(config.lookup_max_pending)
 
     def observe(self, transfer_stats_data: dict[str, Any] | None, engine_idx: int = 0) -> None:
         """Record one stats payload (our steps and upstream's operations) for ``engine_idx``."""

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from mooncake_lookout.metrics.catalogue import all_series_names
+from mooncake_lookout.connector.config import KEYS_BY_NAME
+from mooncake_lookout.metrics.catalogue import MAX_PENDING, all_series_names
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARDS = ROOT / "dashboards"
@@ -23,9 +23,8 @@ sys.path.insert(0, str(DASHBOARDS))  # dashboards/ is a folder of scripts, not a
 import alerts  # noqa: E402
 import known_metrics as km  # noqa: E402
 import lint  # noqa: E402
+import queries as q  # noqa: E402
 
-PROMTOOL = shutil.which("promtool")
-needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (apt-get install prometheus)")
 REQUIRED = {"MooncakeLookupTimeouts", "MooncakeLookupErrorRatioHigh", "MooncakeLookupBreakerOpen",
             "MooncakeLookupPendingNearBound", "MooncakeLookupDeferredStepsHigh", "MooncakeLookupServerDown",
             "MooncakeMasterUnreachable", "MooncakeMasterNearCapacity"}
@@ -36,32 +35,51 @@ def _rules() -> list[dict]:
     return [r for g in doc["groups"] for r in g["rules"]]
 
 
-def _promtool(*args: str, cwd: Path = DASHBOARDS) -> subprocess.CompletedProcess:
-    return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, cwd=cwd, timeout=120)
+def test_promtool_check_rules_passes(promtool):
+    assert f"SUCCESS: {len(_rules())} rules found" in promtool.check_rules(RULES)
 
 
-@needs_promtool
-def test_promtool_check_rules_passes():
-    run = _promtool("check", "rules", str(RULES))
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert f"SUCCESS: {len(_rules())} rules found" in run.stdout
-
-
-@needs_promtool
-def test_promtool_unit_tests_pass():
-    run = _promtool("test", "rules", str(UNIT_TESTS))
+def test_promtool_unit_tests_pass(promtool):
+    run = promtool.run("test", "rules", str(UNIT_TESTS), cwd=DASHBOARDS)
     assert run.returncode == 0, run.stdout + run.stderr
 
 
-@needs_promtool
-def test_unit_tests_fail_when_a_threshold_is_off(tmp_path):
-    """The unit tests are not vacuous: doubling one threshold in the rules makes them fail."""
-    broken = RULES.read_text().replace(f"> {alerts.ERROR_RATIO}", f"> {alerts.ERROR_RATIO * 3}")
-    assert broken != RULES.read_text()
-    (tmp_path / "alerts.rules.yaml").write_text(broken)
+# Each mutation breaks one rule the way a plausible bug would: (alert, text in its expr, replacement).
+MUTATIONS = {
+    "error threshold tripled": ("MooncakeLookupErrorRatioHigh", f"> {alerts.ERROR_RATIO}",
+                                f"> {alerts.ERROR_RATIO * 3}"),
+    "pending compared with the default bound, not the gauge": (
+        "MooncakeLookupPendingNearBound", f"({q.gauge(MAX_PENDING.name, 'max', q.ALERT_BY, variables=None)} > 0)",
+        str(KEYS_BY_NAME["lookup_max_pending"].default)),
+    "rejections no longer alert": ("MooncakeLookupPendingNearBound", "\nor\n", "\nunless\n"),
+}
+
+
+@pytest.mark.parametrize("mutation", [None, *sorted(MUTATIONS)])
+def test_unit_tests_fail_when_a_rule_is_off(promtool, tmp_path, mutation):
+    """The unit tests are not vacuous: each mutation of the rules makes them fail on the mutated alert.
+
+    ``None`` is the control: the same copy-and-rewrite with no mutation passes.
+    """
+    doc = yaml.safe_load(RULES.read_text())
+    if mutation is not None:
+        alert, old, new = MUTATIONS[mutation]
+        [rule] = [r for g in doc["groups"] for r in g["rules"] if r["alert"] == alert]
+        assert old in rule["expr"], f"mutation {mutation!r} no longer applies to {alert}"
+        rule["expr"] = rule["expr"].replace(old, new)
+    (tmp_path / "alerts.rules.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
     shutil.copy(UNIT_TESTS, tmp_path / "alerts.test.yaml")
-    run = _promtool("test", "rules", "alerts.test.yaml", cwd=tmp_path)
-    assert run.returncode != 0 and "MooncakeLookupErrorRatioHigh" in run.stdout + run.stderr
+    run = promtool.run("test", "rules", "alerts.test.yaml", cwd=tmp_path)
+    if mutation is None:
+        assert run.returncode == 0, run.stdout + run.stderr
+    else:
+        assert run.returncode != 0 and alert in run.stdout + run.stderr
+
+
+def test_a_missing_promtool_fails_the_test_instead_of_skipping_it(require_tool, monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(pytest.fail.Exception, match="promtool not found on PATH: install Debian's prometheus"):
+        require_tool("promtool")
 
 
 def test_required_alerts_exist_with_severity_and_annotations():

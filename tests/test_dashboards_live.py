@@ -9,7 +9,6 @@ A workload runs in the background for the whole module; checks poll Prometheus w
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import threading
 import time
@@ -32,7 +31,6 @@ import lint  # noqa: E402
 from live_queries import QueryRun, all_values, run_exprs, run_queries, variable_options  # noqa: E402
 from live_stack import JOBS, RATE_INTERVAL, LiveStack  # noqa: E402
 
-pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus not installed")
 DATA_TIMEOUT_S = 60.0  # bound on waiting for enough scrapes for every rate() to have two samples
 OURS = all_series_names()
 
@@ -42,7 +40,7 @@ def _dashboards() -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[LiveStack]:
+def stack(prometheus_binary: str) -> Iterator[LiveStack]:
     with LiveStack() as s:
         stop = threading.Event()
         worker = s.drive_in_background(stop)

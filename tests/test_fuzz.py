@@ -173,7 +173,8 @@ def test_vllm_reply_decoder_never_raises(payload: bytes) -> None:
 garbage_reply = st.one_of(
     st.binary(max_size=64),
     st.builds(lambda v, s: _enc.encode([v, 0, s, 10**6, [], ""]), st.integers(-5, 5), st.text(max_size=8)),
-    st.builds(lambda x: _enc.encode(x), st.lists(st.one_of(st.integers(), st.text(), st.none()), max_size=8)),
+    st.builds(lambda x: _enc.encode(x),
+              st.lists(st.one_of(st.integers(-2**63, 2**64 - 1), st.text(), st.none()), max_size=8)),
 )
 
 

@@ -131,6 +131,11 @@ BAD_VALUES = [
     ({"master.evictionRatio": "1.5"}, "master.evictionRatio"),
     ({"master.defaultKvLeaseTtl": '"ten seconds"'}, "master.defaultKvLeaseTtl"),
     ({"monitoring.masterMonitor.kind": '"ProbeMonitor"'}, "monitoring.masterMonitor.kind"),
+    # Spelled as in the 0.0.4 text format's MIME type, not as the operator's CRD spells it.
+    ({"monitoring.serviceMonitor.scrapeProtocols": '["PrometheusText004"]'},
+     "monitoring.serviceMonitor.scrapeProtocols"),
+    ({"monitoring.serviceMonitor.scrapeProtocols": '"PrometheusText0.0.4"'},
+     "monitoring.serviceMonitor.scrapeProtocols"),
     ({"engine.tracing.otlpEndpoint": '"collector:4317"'}, "engine.tracing.otlpEndpoint"),
     ({"engine.replica": "2"}, "replica"),
 ]

@@ -49,6 +49,9 @@ PULL_POLICY = {"type": "string", "enum": ["Always", "IfNotPresent", "Never"]}
 SERVICE_TYPE = {"type": "string", "enum": ["ClusterIP", "NodePort", "LoadBalancer"]}
 PORT = {"type": "integer", "minimum": 1, "maximum": 65535}
 DNS_LABEL = {"type": "string", "pattern": "^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$", "maxLength": 63}
+# The Prometheus Operator's ScrapeProtocol enum (monitoring.coreos.com/v1, spelled as its CRD spells it).
+SCRAPE_PROTOCOLS = {"type": "array", "uniqueItems": True, "items": {"type": "string", "enum": [
+    "PrometheusText0.0.4", "PrometheusText1.0.0", "OpenMetricsText0.0.1", "OpenMetricsText1.0.0", "PrometheusProto"]}}
 
 
 def obj(**props: dict[str, Any]) -> dict[str, Any]:
@@ -180,7 +183,7 @@ def shape() -> dict[str, Any]:
             master=master,
             monitoring=obj(
                 namespace=DNS_LABEL,
-                serviceMonitor=obj(**monitor),
+                serviceMonitor=obj(**monitor, scrapeProtocols=SCRAPE_PROTOCOLS),
                 masterMonitor=obj(**monitor, kind={"type": "string", "enum": ["PodMonitor", "ServiceMonitor"]}),
                 prometheusRule=obj(enabled={"type": "boolean"}, labels=STRING_MAP,
                                    runbookBaseUrl={"type": "string", "pattern": "^(https?://.+)?$"}),

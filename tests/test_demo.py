@@ -1,0 +1,164 @@
+"""``mooncake-lookout demo`` as a user runs it: the console script in a subprocess, real everything.
+
+Checks the table, scrapes ``/metrics`` during and after the run, ends it with SIGINT/SIGTERM and checks
+that it exits cleanly and that the Mooncake master and the lookup server process it started are gone
+(by pid). Every wait is bounded; the subprocess is killed by pid if a test fails midway.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from mooncake_lookout.metrics import catalogue
+
+SCRIPT = Path(sys.executable).parent / "mooncake-lookout"
+START_TIMEOUT_S = 120.0
+
+
+class Demo:
+    """The demo subprocess and the lines it printed so far (read by a thread into a queue)."""
+
+    def __init__(self, *args: str) -> None:
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen([str(SCRIPT), "demo", *args], stdout=subprocess.PIPE, stderr=self.stderr,
+                                     text=True)
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._queue.put(line.rstrip("\n"))
+        self._queue.put(None)
+
+    def _explain(self) -> str:
+        self.stderr.seek(0)
+        return "\n".join(self.lines) + "\n--- stderr tail ---\n" + self.stderr.read()[-3000:]
+
+    def wait_for(self, pattern: str, timeout_s: float = START_TIMEOUT_S) -> re.Match[str]:
+        """Take lines until one matches ``pattern`` (bounded); returns the match."""
+        deadline = time.monotonic() + timeout_s
+        rx = re.compile(pattern)
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self._queue.get(timeout=left)
+            except queue.Empty:
+                break
+            if line is None:
+                self._queue.put(None)
+                break
+            self.lines.append(line)
+            if m := rx.search(line):
+                return m
+        raise AssertionError(f"no line matching {pattern!r} within {timeout_s} s; got:\n" + self._explain())
+
+    def rest(self, timeout_s: float = 60.0) -> int:
+        """Take every remaining line and the exit code (bounded)."""
+        code = self.proc.wait(timeout_s)
+        self._reader.join(timeout_s)
+        while not self._queue.empty():
+            line = self._queue.get()
+            if line is not None:
+                self.lines.append(line)
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._reader.join(10)
+        self.stderr.close()
+
+
+@pytest.fixture
+def demo_factory() -> Iterator[type]:
+    started: list[Demo] = []
+
+    def make(*args: str) -> Demo:
+        d = Demo(*args)
+        started.append(d)
+        return d
+
+    yield make  # type: ignore[misc]
+    for d in started:
+        d.kill()
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return resp.read().decode()
+
+
+def sample(text: str, name: str, labels: str = "") -> float:
+    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
+    assert m, f"{name}{labels} not in the scrape"
+    return float(m.group(1))
+
+
+def gone(pid: int, timeout_s: float = 15.0) -> bool:
+    """True once /proc has no such process (polled, bounded)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not os.path.exists(f"/proc/{pid}"):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_short_demo_prints_the_table_serves_metrics_and_exits_cleanly(demo_factory) -> None:
+    demo = demo_factory("--duration", "small", "--keep-running")
+    url = demo.wait_for(r"^metrics: (http://127\.0\.0\.1:\d+/metrics)$").group(1)
+    pids = demo.wait_for(r"Mooncake master pid (\d+) .* lookup servers pid (\d+)")
+    master_pid, servers_pid = int(pids.group(1)), int(pids.group(2))
+    assert os.path.exists(f"/proc/{master_pid}")
+
+    demo.wait_for(r"^\[async ")  # the run is on: /metrics answers with our families
+    during = scrape(url)
+    assert f"# TYPE {catalogue.REQUESTS.sample_names[0]} counter" in during
+
+    demo.wait_for(r"^mode +requests")
+    rows = {m: demo.wait_for(rf"^{m}\b.*") for m in ("sync", "async", "budget")}
+    for m, row in rows.items():
+        fields = row.group(0).split()
+        requests = int(fields[2] if m == "budget" else fields[1])
+        assert requests > 0, row.group(0)
+    assert float(rows["sync"].group(0).split()[4]) == 0.0, "sync mode never defers"
+    demo.wait_for(r"/metrics stays up at ")
+
+    after = scrape(url)
+    requested = sum(sample(after, catalogue.REQUESTS.name + "_total", f'{{outcome="{o}"}}') for o in ("hit", "miss"))
+    assert requested > 0
+    for m in catalogue.MODES:
+        assert sample(after, catalogue.SCHEDULER_BLOCKED_SECONDS.name + "_count", f'{{mode="{m}"}}') > 0
+    assert sample(after, catalogue.HIT_TOKENS.name + "_total") > 0
+
+    assert gone(master_pid) and gone(servers_pid), "the master or the server process outlived the run"
+    demo.proc.send_signal(signal.SIGINT)
+    assert demo.rest() == 0
+    with pytest.raises(OSError):
+        scrape(url)
+
+
+def test_sigterm_mid_run_stops_every_process(demo_factory) -> None:
+    demo = demo_factory("--duration", "60")
+    pids = demo.wait_for(r"Mooncake master pid (\d+) .* lookup servers pid (\d+)")
+    demo.wait_for(r"^\[sync ")
+    demo.proc.send_signal(signal.SIGTERM)
+    assert demo.rest() == 130
+    assert any("interrupted" in line for line in demo.lines)
+    assert gone(int(pids.group(1))) and gone(int(pids.group(2)))
