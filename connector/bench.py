@@ -14,8 +14,9 @@ import math
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from mooncake_lookout.connector.workload import shared_prefix_workload
 
@@ -55,7 +56,13 @@ def _modes(sizes: Sizes) -> list[Any]:
 
 def run_bench(out_dir: str, *, quick: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run every scenario, write the outputs, return the results (as written to ``bench.json``)."""
-    from mooncake_lookout.connector import bench_burst, bench_call, bench_fault, bench_overhead, bench_sched
+    from mooncake_lookout.connector import (
+        bench_burst,
+        bench_call,
+        bench_fault,
+        bench_overhead,
+        bench_sched,
+    )
     from mooncake_lookout.connector.bench_rig import Rig
     from mooncake_lookout.connector.plots import write_all
 

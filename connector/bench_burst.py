@@ -10,7 +10,8 @@ tokens of every client must agree).
 from __future__ import annotations
 
 import statistics
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from mooncake_lookout.connector.bench_call import CLIENTS, make_client
 from mooncake_lookout.connector.bench_rig import Rig
@@ -40,7 +41,7 @@ def run(rig: Rig, requests: Sequence[WorkloadRequest], *, repeats: int = 3, step
         for i in range(repeats):
             tagged = [type(r)(f"b{i}-{r.req_id}", r.num_tokens, r.block_hashes) for r in requests]
 
-            def factory() -> _Closing:
+            def factory(name: str = name) -> _Closing:
                 return _Closing(*make_client(rig, name, telemetry=True, timeout_ms=30_000.0,
                                              max_pending=max(1024, 2 * n)))
 

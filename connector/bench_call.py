@@ -10,9 +10,15 @@ harder case; upstream's has neither.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from mooncake_lookout.connector.bench_rig import Rig, close_upstream_client, observers_with_telemetry, summary_us
+from mooncake_lookout.connector.bench_rig import (
+    Rig,
+    close_upstream_client,
+    observers_with_telemetry,
+    summary_us,
+)
 from mooncake_lookout.connector.workload import WorkloadRequest
 
 CLIENTS = ("upstream", "ours/upstream-wire", "ours/pipelined")

@@ -11,9 +11,15 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from mooncake_lookout.connector.bench_call import CLIENTS, make_client, time_async, time_sync
+from mooncake_lookout.connector.bench_call import (
+    CLIENTS,
+    make_client,
+    time_async,
+    time_sync,
+)
 from mooncake_lookout.connector.bench_rig import Rig, summary_us
 from mooncake_lookout.connector.workload import WorkloadRequest
 
@@ -35,7 +41,7 @@ class _Flicker:
             self.master.resume()
             self._stop.wait(self.period_s - self.stopped_s)
 
-    def __enter__(self) -> "_Flicker":
+    def __enter__(self) -> _Flicker:
         self._thread.start()
         return self
 
@@ -54,7 +60,7 @@ def slowed(rig: Rig, requests: Sequence[WorkloadRequest]) -> dict[str, Any]:
             time_sync(client, requests[:5], "warm-slow")
             with _Flicker(rig.master):
                 sync = time_sync(client, requests, "slow-sync")
-                first, total, polls = time_async(client, requests, "slow-async", 0.001)
+                _, total, polls = time_async(client, requests, "slow-async", 0.001)
         finally:
             close()
         out[name] = {"sync_call_us": summary_us(sync), "async_per_lookup_us": summary_us(total),

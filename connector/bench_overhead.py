@@ -9,7 +9,8 @@ all alike. The figure is submit-to-answer time of a blocking lookup, median and 
 from __future__ import annotations
 
 import statistics
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from mooncake_lookout.connector.bench_call import make_client, time_sync
 from mooncake_lookout.connector.bench_rig import Rig, summary_us

@@ -20,8 +20,9 @@ from __future__ import annotations
 import itertools
 import os
 import statistics
+from collections.abc import Iterable, Sequence
 from contextlib import ExitStack
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.events import LookupObserver, ObserverSet
@@ -35,7 +36,7 @@ def quantile(values: Sequence[float], q: float) -> float:
     if not values:
         return float("nan")
     ordered = sorted(values)
-    rank = min(len(ordered) - 1, max(0, int(round(q * (len(ordered) - 1)))))
+    rank = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
     return ordered[rank]
 
 
@@ -66,13 +67,14 @@ def observers_with_telemetry(registry: Any = None, *, metrics: bool = True,
     Returns the observers and the span exporter (so callers can count spans). The tracer provider is
     private: it never replaces a global one. ``metrics`` / ``spans`` pick the parts.
     """
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-    from prometheus_client import CollectorRegistry
-
     from mooncake_lookout.metrics.prometheus_sink import PrometheusSink
     from mooncake_lookout.metrics.tracing import TracingObserver
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+        InMemorySpanExporter,
+    )
+    from prometheus_client import CollectorRegistry
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
@@ -120,7 +122,7 @@ class Rig:
         self.servers: Any = None
         self.lookup_rpc_port = next(_ports)
 
-    def start(self) -> "Rig":
+    def start(self) -> Rig:
         """Start the master, the store client and both servers; on any failure, stop what started."""
         try:
             self._start()
@@ -130,10 +132,16 @@ class Rig:
         return self
 
     def _start(self) -> None:
-        from mooncake_lookout.connector.mooncake_master import EmbeddedMaster, open_writer_store
-        from mooncake_lookout.connector.prefix_index import PrefixIndex
         from mooncake_lookout.connector.bench_servers import ServerProcess
-        from mooncake_lookout.connector.upstream_server import lookup_vllm_config, private_rpc_base_path
+        from mooncake_lookout.connector.mooncake_master import (
+            EmbeddedMaster,
+            open_writer_store,
+        )
+        from mooncake_lookout.connector.prefix_index import PrefixIndex
+        from mooncake_lookout.connector.upstream_server import (
+            lookup_vllm_config,
+            private_rpc_base_path,
+        )
 
         stack = self._stack
         self.master = stack.enter_context(EmbeddedMaster())
@@ -149,7 +157,9 @@ class Rig:
     # -- clients -------------------------------------------------------------------------------------------
     def upstream_client(self) -> Any:
         """vLLM 0.33's own ``LookupKeyClient``, connected to vLLM's ``LookupKeyServer``."""
-        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import LookupKeyClient
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import (
+            LookupKeyClient,
+        )
 
         return LookupKeyClient(self.lookup_vllm_config)
 
@@ -180,7 +190,7 @@ class Rig:
         """Stop the servers, close the store client, stop the master (by pid)."""
         self._stack.close()
 
-    def __enter__(self) -> "Rig":
+    def __enter__(self) -> Rig:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -13,11 +13,21 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
-from mooncake_lookout.connector.bench_rig import Rig, close_upstream_client, summary_us, token_prompts
-from mooncake_lookout.connector.events import LookupObserver, LookupRecord, OutcomeCounter
+from mooncake_lookout.connector.bench_rig import (
+    Rig,
+    close_upstream_client,
+    summary_us,
+    token_prompts,
+)
+from mooncake_lookout.connector.events import (
+    LookupObserver,
+    LookupRecord,
+    OutcomeCounter,
+)
 
 
 @dataclass(frozen=True)
@@ -167,7 +177,10 @@ def run_mode(rig: Rig, workload: Workload, m: Mode, *, arrivals_per_step: int = 
     ``first_request`` offsets into the workload, so runs can use fresh request ids. ``observers`` are
     attached to our client (ignored for upstream's). ``on_step`` is called after each step (progress).
     """
-    from mooncake_lookout.connector.scheduler_driver import SchedulerDriver, make_vllm_config
+    from mooncake_lookout.connector.scheduler_driver import (
+        SchedulerDriver,
+        make_vllm_config,
+    )
 
     extra = rig.scheduler_extra(m.ours, m.transport, **m.extra)
     if m.ours:

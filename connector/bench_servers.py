@@ -15,7 +15,8 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from mooncake_lookout.connector.mooncake_master import _death_signal_setter
 
@@ -40,7 +41,7 @@ class ServerProcess:
         """The child's process id while it runs."""
         return self._proc.pid if self._proc is not None else None
 
-    def start(self) -> "ServerProcess":
+    def start(self) -> ServerProcess:
         """Spawn the child and wait (bounded) for its addresses line."""
         import selectors
 
@@ -79,7 +80,7 @@ class ServerProcess:
         if proc.stdout is not None:
             proc.stdout.close()
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -102,7 +103,10 @@ def serve(argv: Sequence[str] | None = None) -> int:
         from mooncake_lookout.connector.mooncake_master import open_store
         from mooncake_lookout.connector.prefix_index import PrefixIndex
         from mooncake_lookout.connector.server import LookupServer
-        from mooncake_lookout.connector.upstream_server import UpstreamLookupServer, lookup_vllm_config
+        from mooncake_lookout.connector.upstream_server import (
+            UpstreamLookupServer,
+            lookup_vllm_config,
+        )
 
         store: Any = open_store(args.master, rpc_timeout_ms=args.rpc_timeout_ms)
         index = PrefixIndex(store, BLOCK_SIZE, namespace=args.namespace)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from mooncake_lookout.connector.demo import add_demo_parser
 from mooncake_lookout.connector.doctor import add_doctor_parser

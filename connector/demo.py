@@ -20,7 +20,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable, TextIO
+from collections.abc import Callable
+from typing import Any, TextIO
 
 DURATIONS = {"small": 6.0, "default": 24.0}
 MODE_NAMES = ("sync", "async", "budget")
@@ -144,14 +145,13 @@ def run_demo(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, stop: threading.Event, out: TextIO) -> int:
-    from prometheus_client import CollectorRegistry
-
     from mooncake_lookout.connector.bench_rig import Rig
     from mooncake_lookout.connector.bench_sched import Workload, run_mode
     from mooncake_lookout.connector.config import LookupConfig
     from mooncake_lookout.connector.mooncake_master import MasterError
     from mooncake_lookout.metrics.exporter import serve_metrics
     from mooncake_lookout.metrics.prometheus_sink import PrometheusSink
+    from prometheus_client import CollectorRegistry
 
     def say(text: str) -> None:
         out.write(text + "\n")

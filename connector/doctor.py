@@ -23,7 +23,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from mooncake_lookout.connector.config import ConfigError, LookupConfig, TRANSPORTS
+from mooncake_lookout.connector.config import TRANSPORTS, ConfigError, LookupConfig
 
 MASTER_SERIES = ("master_key_count", "master_active_clients", "master_batch_exist_key_requests_total",
                  "master_batch_exist_key_failures_total")

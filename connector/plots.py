@@ -7,12 +7,13 @@ between time the scheduler blocks and steps requests are deferred, mode by mode.
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 def _cdf(ax: Any, values_s: Sequence[float], label: str) -> None:

@@ -28,6 +28,7 @@ prometheus_binary    session  the path of Debian's ``prometheus`` (fails the tes
 from __future__ import annotations
 
 import itertools
+import sys
 import shutil
 import subprocess
 import uuid
@@ -40,6 +41,12 @@ from mooncake_lookout.connector.mooncake_master import EmbeddedMaster, open_writ
 from mooncake_lookout.metrics.catalogue import PREFIX
 from mooncake_lookout.connector.prefix_index import PrefixIndex
 from mooncake_lookout.connector.workload import shared_prefix_workload, unique_hashes
+
+# dashboards/ and helm/tools/ are folders of scripts, not packages: their tests import them by module name.
+_ROOT = Path(__file__).resolve().parents[1]
+for _scripts in (_ROOT / "dashboards", _ROOT / "helm" / "tools"):
+    if str(_scripts) not in sys.path:
+        sys.path.insert(0, str(_scripts))
 
 BLOCK_SIZE = 16  # tokens per block in every index the fixtures build
 SESSION_RPC_TIMEOUT_MS = 5000  # bounds any call on the shared client, should the shared master stall

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,6 @@ DASHBOARDS = ROOT / "dashboards"
 RULES = DASHBOARDS / "alerts.rules.yaml"
 UNIT_TESTS = DASHBOARDS / "alerts.test.yaml"
 RUNBOOK = ROOT / "docs" / "runbook.md"
-sys.path.insert(0, str(DASHBOARDS))  # dashboards/ is a folder of scripts, not a package
 
 import alerts  # noqa: E402
 import known_metrics as km  # noqa: E402

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from mooncake_lookout.connector.bench import format_report
 
 SCRIPT = Path(sys.executable).parent / "mooncake-lookout"

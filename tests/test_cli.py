@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from mooncake_lookout.connector.cli import build_parser, main
 from mooncake_lookout.connector.demo import parse_duration
 

@@ -14,7 +14,6 @@ from mooncake_lookout.metrics.catalogue import CATALOGUE, all_series_names
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARDS = ROOT / "dashboards"
-sys.path.insert(0, str(DASHBOARDS))  # dashboards/ is a folder of scripts, not a package
 
 import generate  # noqa: E402
 import known_metrics as km  # noqa: E402

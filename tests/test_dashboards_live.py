@@ -9,7 +9,6 @@ A workload runs in the background for the whole module; checks poll Prometheus w
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
 import urllib.request
@@ -23,7 +22,6 @@ from mooncake_lookout.metrics.catalogue import PREFIX, all_series_names
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARDS = ROOT / "dashboards"
-sys.path.insert(0, str(DASHBOARDS))  # dashboards/ is a folder of scripts, not a package
 
 import generate  # noqa: E402
 import known_metrics as km  # noqa: E402

@@ -8,8 +8,8 @@ that it exits cleanly and that the Mooncake master and the lookup server process
 from __future__ import annotations
 
 import os
-import re
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -17,11 +17,10 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
-
 from mooncake_lookout.metrics import catalogue
 
 SCRIPT = Path(sys.executable).parent / "mooncake-lookout"
@@ -105,7 +104,7 @@ def scrape(url: str) -> str:
 
 
 def sample(text: str, name: str, labels: str = "") -> float:
-    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
+    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.MULTILINE)
     assert m, f"{name}{labels} not in the scrape"
     return float(m.group(1))
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
-
 from mooncake_lookout.connector.doctor import check_master, probe_server
 
 

@@ -8,12 +8,9 @@ and what the packaged chart contains.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import tarfile
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import kubernetes_validate
@@ -24,18 +21,7 @@ from mooncake_lookout.connector.config import KEYS, LookupConfig
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _tool(name: str) -> ModuleType:
-    """Load helm/tools/<name>.py (not an installed package) once."""
-    mod_name = f"lookout_helm_tools_{name}"
-    if mod_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(mod_name, ROOT / "helm" / "tools" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[mod_name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[mod_name]
-
-
-chart = _tool("chart")
+import chart  # helm/tools/chart.py (conftest puts helm/tools on sys.path)
 KUBE_VERSIONS = ("1.29.0", "1.32.0")
 VALUE_SETS = {"default": None, **chart.ci_value_sets()}
 CRD_GROUP = "monitoring.coreos.com/v1"

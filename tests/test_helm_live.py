@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import socket
@@ -15,7 +14,6 @@ import time
 import urllib.request
 from http.server import ThreadingHTTPServer
 from pathlib import Path
-from types import ModuleType
 from typing import Iterator
 
 import pytest
@@ -29,18 +27,7 @@ VENV_BIN = Path(sys.executable).parent
 CHECK_SCRIPT = ROOT / "helm" / "mooncake-lookout" / "files" / "helm-test" / "check_lookout.py"
 
 
-def _tool(name: str) -> ModuleType:
-    """Load helm/tools/<name>.py (not an installed package) once."""
-    mod_name = f"lookout_helm_tools_{name}"
-    if mod_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(mod_name, ROOT / "helm" / "tools" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[mod_name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[mod_name]
-
-
-chart = _tool("chart")
+import chart  # helm/tools/chart.py (conftest puts helm/tools on sys.path)
 
 
 def free_port() -> int:

@@ -4,12 +4,9 @@ no schema for them), alert rules and dashboards checked to be the files of dashb
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -26,18 +23,7 @@ OPERATOR_SCRAPE_PROTOCOLS = {"PrometheusProto", "OpenMetricsText0.0.1", "OpenMet
 DURATION = re.compile(r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$")
 
 
-def _tool(name: str) -> ModuleType:
-    """Load helm/tools/<name>.py (not an installed package) once."""
-    mod_name = f"lookout_helm_tools_{name}"
-    if mod_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(mod_name, ROOT / "helm" / "tools" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[mod_name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[mod_name]
-
-
-chart = _tool("chart")
+import chart  # helm/tools/chart.py (conftest puts helm/tools on sys.path)
 
 
 @pytest.fixture(scope="module")

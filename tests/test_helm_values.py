@@ -6,11 +6,8 @@ is rejected by helm itself, with a message naming the key.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import jsonschema
 import pytest
@@ -23,20 +20,9 @@ from mooncake_lookout.connector.config import KEYS, ConfigError, LookupConfig
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _tool(name: str) -> ModuleType:
-    """Load helm/tools/<name>.py (not an installed package) once."""
-    mod_name = f"lookout_helm_tools_{name}"
-    if mod_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(mod_name, ROOT / "helm" / "tools" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[mod_name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[mod_name]
-
-
-chart = _tool("chart")
-values_schema = _tool("values_schema")
-values_table = _tool("values_table")
+import chart  # helm/tools/chart.py (conftest puts helm/tools on sys.path)
+import values_schema  # helm/tools
+import values_table  # helm/tools
 SCHEMA = json.loads((chart.CHART / "values.schema.json").read_text())
 LOOKUP_SCHEMA = SCHEMA["properties"]["engine"]["properties"]["connector"]["properties"]["lookup"]
 

@@ -8,13 +8,11 @@ value set (importing vLLM takes ~10 s).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
@@ -51,18 +49,7 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def _tool(name: str) -> ModuleType:
-    """Load helm/tools/<name>.py (not an installed package) once."""
-    mod_name = f"lookout_helm_tools_{name}"
-    if mod_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(mod_name, ROOT / "helm" / "tools" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[mod_name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[mod_name]
-
-
-chart = _tool("chart")
+import chart  # helm/tools/chart.py (conftest puts helm/tools on sys.path)
 VALUE_SETS = {"default": None, **chart.ci_value_sets()}
 
 
