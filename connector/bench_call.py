@@ -43,15 +43,18 @@ def _forget(client: Any, req_id: str) -> None:
         discard(req_id)
 
 
-def time_sync(client: Any, requests: Sequence[WorkloadRequest], tag: str) -> list[float]:
-    """Seconds of each blocking ``lookup`` call."""
+def time_sync(client: Any, requests: Sequence[WorkloadRequest], tag: str,
+              hit_tokens: list[int] | None = None) -> list[float]:
+    """Seconds of each blocking ``lookup`` call (and each answer's hit tokens into ``hit_tokens``)."""
     out = []
     for r in requests:
         req_id = f"{tag}-{r.req_id}"
         hashes = list(r.block_hashes)
         t0 = time.perf_counter()
-        client.lookup(req_id, r.num_tokens, hashes, non_block=False)
+        result = client.lookup(req_id, r.num_tokens, hashes, non_block=False)
         out.append(time.perf_counter() - t0)
+        if hit_tokens is not None:
+            hit_tokens.append(result.hit_length if result is not None else -1)
         _forget(client, req_id)
     return out
 

@@ -58,13 +58,15 @@ def slowed(rig: Rig, requests: Sequence[WorkloadRequest]) -> dict[str, Any]:
         client, close = make_client(rig, name, telemetry=True, timeout_ms=TIMEOUT_MS)
         try:
             time_sync(client, requests[:5], "warm-slow")
+            hits: list[int] = []
             with _Flicker(rig.master):
-                sync = time_sync(client, requests, "slow-sync")
+                sync = time_sync(client, requests, "slow-sync", hits)
                 _, total, polls = time_async(client, requests, "slow-async", 0.001)
         finally:
             close()
         out[name] = {"sync_call_us": summary_us(sync), "async_per_lookup_us": summary_us(total),
-                     "async_mean_polls": sum(polls) / len(polls)}
+                     "async_mean_polls": sum(polls) / len(polls), "sync_answers": len(hits),
+                     "sync_hits": sum(1 for h in hits if h > 0)}
     return out
 
 

@@ -12,7 +12,10 @@ so telemetry cannot break a lookup.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
+import queue
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
@@ -114,22 +117,38 @@ class NullObserver:
         """A reply came for a lookup that had already ended, or for none (transport thread)."""
 
 
+_EVENTS = ("submitted", "started", "answered", "deferred", "consumed", "discarded", "breaker_changed",
+           "scheduler_call", "late_reply")
+
+
 class ObserverSet(NullObserver):
-    """Fans events out to several observers; one that raises is logged and skipped, never propagated."""
+    """Fans events out to several observers; one that raises is logged and skipped, never propagated.
+
+    Each event calls only the observers that override it, found once when an observer is added, so an
+    event nobody listens to costs one empty loop.
+    """
 
     def __init__(self, observers: Sequence[LookupObserver] = ()) -> None:
-        self.observers: list[LookupObserver] = list(observers)
+        self.observers: list[LookupObserver] = []
+        self._handlers: dict[str, tuple[Any, ...]] = {name: () for name in _EVENTS}
+        for obs in observers:
+            self.add(obs)
 
     def add(self, observer: LookupObserver) -> None:
         """Attach one more observer."""
         self.observers.append(observer)
+        for name in _EVENTS:
+            method = getattr(observer, name, None)
+            if method is None or getattr(method, "__func__", None) is getattr(NullObserver, name):
+                continue  # not overridden: nothing to call
+            self._handlers[name] = (*self._handlers[name], method)
 
     def _emit(self, name: str, *args: Any) -> None:
-        for obs in self.observers:
+        for handler in self._handlers[name]:
             try:
-                getattr(obs, name)(*args)
+                handler(*args)
             except Exception:  # telemetry must never break a lookup
-                logger.exception("lookup observer %r failed in %s", obs, name)
+                logger.exception("lookup observer %r failed in %s", handler, name)
 
     def submitted(self, rec: LookupRecord) -> None:
         self._emit("submitted", rec)
@@ -157,6 +176,55 @@ class ObserverSet(NullObserver):
 
     def late_reply(self) -> None:
         self._emit("late_reply")
+
+
+class BackgroundObserver(NullObserver):
+    """Runs another observer on a thread of its own, so the scheduler's and transport's threads only enqueue.
+
+    For observers whose work is not cheap (spans, a ``prometheus_client`` registry). Events keep their
+    order; the wrapped observer reads each record when its turn comes, and the record's timestamps say
+    when things happened. Past ``max_backlog`` queued events, new ones are dropped (counted in ``dropped``)
+    rather than let memory grow.
+    """
+
+    def __init__(self, observer: LookupObserver, *, max_backlog: int = 100_000, name: str = "lookout-telemetry"
+                 ) -> None:
+        self.observer = observer
+        self.dropped = 0
+        self._max_backlog = max_backlog
+        # Items: (event, args), a threading.Event to set (flush), or None (stop).
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._handlers = ObserverSet([observer])
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        for event in _EVENTS:  # only the events the wrapped observer listens to are queued at all
+            if self._handlers._handlers[event]:
+                setattr(self, event, functools.partial(self._put, event))
+
+    def _put(self, event: str, *args: Any) -> None:
+        if self._queue.qsize() >= self._max_backlog:
+            self.dropped += 1
+            return
+        self._queue.put((event, args))
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            event, args = item
+            getattr(self._handlers, event)(*args)
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until every event queued so far has been handled; False if that took over ``timeout_s``."""
+        done = threading.Event()
+        self._queue.put(done)
+        return done.wait(timeout_s)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Handle what is queued, then stop the thread."""
+        self._queue.put(None)
+        self._thread.join(timeout_s)
 
 
 class OutcomeCounter(NullObserver):
@@ -192,4 +260,4 @@ class OutcomeCounter(NullObserver):
         return sum(self.outcomes[o] for o in outcomes)
 
 
-__all__ = ["LookupObserver", "LookupRecord", "NullObserver", "ObserverSet", "Outcome", "OutcomeCounter"]
+__all__ = ["BackgroundObserver", "LookupObserver", "LookupRecord", "NullObserver", "ObserverSet", "Outcome", "OutcomeCounter"]

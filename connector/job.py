@@ -52,6 +52,34 @@ class Answer:
         return self.outcome in (Outcome.ERROR, Outcome.TIMEOUT)
 
 
+class DoneFlag:
+    """A one-shot "answered" signal that costs ~0.1 us to create (``threading.Event`` costs ~3.5 us here).
+
+    A lock held from creation; ``set`` releases it, ``wait`` takes and gives it back.
+    """
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def set(self) -> None:
+        """Signal; call once."""
+        self._lock.release()
+
+    def is_set(self) -> bool:
+        """True once signalled."""
+        return not self._lock.locked()
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the signal; True if it came."""
+        if self._lock.acquire(timeout=max(timeout, 0.0)):
+            self._lock.release()
+            return True
+        return False
+
+
 class LookupJob:
     """One lookup on its way through a transport."""
 
@@ -64,7 +92,7 @@ class LookupJob:
         self.block_hashes = block_hashes
         self.deadline = deadline  # time.perf_counter() seconds
         self.answer: Answer | None = None
-        self.done = threading.Event()
+        self.done = DoneFlag()
         # Set by the caller when nobody wants the answer any more; a transport skips a cancelled job it has
         # not sent yet (a plain attribute: written by one thread, read by another, no lock needed).
         self.cancelled = False
@@ -92,4 +120,4 @@ class LookupJob:
         self.done.set()
 
 
-__all__ = ["Answer", "LookupJob", "LookupResult", "MISS", "TailKeyBoundary"]
+__all__ = ["Answer", "DoneFlag", "LookupJob", "LookupResult", "MISS", "TailKeyBoundary"]

@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.scheduler impor
 from mooncake_lookout.connector.addresses import lookup_address
 from mooncake_lookout.connector.client import LookupClient
 from mooncake_lookout.connector.config import LookupConfig
-from mooncake_lookout.connector.events import LookupObserver
+from mooncake_lookout.connector.events import BackgroundObserver, LookupObserver
 from mooncake_lookout.connector.transports import make_transport
 
 
@@ -46,8 +46,10 @@ class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
         self.stats = LookupStatsCollector()
         self.observers.add(self.stats)
         self.tracer = tracing_observer_from_env()
+        self._tracing = None
         if self.tracer is not None:
-            self.observers.add(self.tracer)
+            self._tracing = BackgroundObserver(self.tracer, name="lookout-tracing")
+            self.observers.add(self._tracing)
 
     def _lookup_align(self) -> int:
         return self._hash_block_size if self.enable_partial_hash_hits else self._block_size
@@ -96,6 +98,7 @@ class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
         """Stop the lookup client and its transport, then flush spans."""
         self.client.close()
         if self.tracer is not None:
+            self._tracing.close()
             self.tracer.shutdown()
 
 

@@ -13,15 +13,16 @@ Enable
     no observer is attached: tracing off costs nothing.
 
 Spans
-    ``mooncake.lookup`` runs from submit to the answer being used (or the lookup discarded), on the
-    scheduler's thread. ``mooncake.lookup.rpc`` is its child, from the transport taking the lookup to its
-    answer, on the transport's thread; the parent travels in ``LookupRecord.scratch``, not in a
-    thread-local context. Request ids appear only hashed (``gen_ai.request.id``).
+    ``mooncake.lookup`` runs from submit to the answer being used (or the lookup discarded).
+    ``mooncake.lookup.rpc`` is its child, from the transport taking the lookup (on the transport's thread)
+    to its answer. Both are built when the lookup ends, from the record's timestamps, on a background
+    thread (the scheduler adapter wraps the observer in ``BackgroundObserver``), so the scheduler and the
+    transport only pay a queue put. Request ids appear only hashed (``gen_ai.request.id``).
 
 Parent from vLLM
     The scheduler adapter calls :meth:`TracingObserver.set_parent_headers` with ``Request.trace_headers``
     before it starts the lookup; the headers are taken (and forgotten) at submit, and extracted with the
-    propagators of ``OTEL_PROPAGATORS`` (W3C ``traceparent`` by default).
+    propagators of ``OTEL_PROPAGATORS`` (W3C ``traceparent`` by default) when the spans are built.
 
 The provider is private to this module's observer (it does not replace a global one vLLM may set),
 and spans leave through a ``BatchSpanProcessor``: the scheduler never waits on the network.
@@ -31,7 +32,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Mapping
+import time
+from typing import Any, Mapping
 
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -58,8 +60,7 @@ DEFAULT_SERVICE_NAME = "mooncake-lookout"
 # set_parent_headers entries whose lookup never came are dropped past this many (oldest first).
 MAX_PARENT_HEADERS = 4096
 
-_SPAN_KEY = "tracing.span"
-_RPC_KEY = "tracing.rpc"
+_PARENT_KEY = "tracing.parent"
 _FAILED = frozenset({Outcome.ERROR, Outcome.TIMEOUT})
 
 
@@ -69,12 +70,19 @@ def hash_request_id(req_id: str) -> str:
 
 
 class TracingObserver(NullObserver):
-    """A :class:`LookupObserver` that turns lookup lifecycles into spans of ``tracer``."""
+    """A :class:`LookupObserver` that turns each ended lookup into spans of ``tracer``.
+
+    Spans are built when the lookup ends, from the record's timestamps (explicit start and end times),
+    so the observer can run on a background thread (:class:`~mooncake_lookout.connector.events.
+    BackgroundObserver`): neither the scheduler nor the transport thread creates a span.
+    """
 
     def __init__(self, tracer: Tracer, provider: TracerProvider | None = None) -> None:
         self.tracer = tracer
         self.provider = provider
-        self._parents: dict[str, Mapping[str, str]] = {}  # scheduler thread only
+        self._parents: dict[str, Mapping[str, str]] = {}
+        # perf_counter seconds -> epoch nanoseconds, for explicit span times.
+        self._offset_ns = time.time_ns() - time.perf_counter_ns()
 
     def set_parent_headers(self, req_id: str, headers: Mapping[str, str] | None) -> None:
         """Make the next lookup of ``req_id`` a child of the trace in ``headers`` (vLLM's ``trace_headers``)."""
@@ -84,51 +92,35 @@ class TracingObserver(NullObserver):
         parents.pop(req_id, None)  # re-set: move to the newest end, so eviction takes the oldest
         parents[req_id] = headers
         if len(parents) > MAX_PARENT_HEADERS:
-            del parents[next(iter(parents))]
+            parents.pop(next(iter(parents)), None)
+
+    def _ns(self, t: float) -> int:
+        return int(t * 1e9) + self._offset_ns
 
     def submitted(self, rec: LookupRecord) -> None:
         headers = self._parents.pop(rec.req_id, None)
+        if headers:
+            rec.scratch[_PARENT_KEY] = headers
+
+    def consumed(self, rec: LookupRecord) -> None:
+        self._record(rec)
+
+    def discarded(self, rec: LookupRecord) -> None:
+        self._record(rec)
+
+    def _record(self, rec: LookupRecord) -> None:
+        headers = rec.scratch.pop(_PARENT_KEY, None)
         ctx = propagate.extract(headers) if headers else None
-        span = self.tracer.start_span(SPAN_LOOKUP, context=ctx)
+        end = rec.t_consume if rec.t_consume is not None else time.perf_counter()
+        span = self.tracer.start_span(SPAN_LOOKUP, context=ctx, start_time=self._ns(rec.t_submit))
         if span.is_recording():
+            outcome = rec.outcome if rec.outcome is not None else Outcome.ERROR
             span.set_attributes({
                 ATTR_REQUEST_ID: hash_request_id(rec.req_id),
                 ATTR_TOKENS: rec.num_tokens,
                 ATTR_BLOCKS: rec.num_hashes,
                 ATTR_TRANSPORT: rec.transport,
                 ATTR_GENERATION: rec.generation,
-            })
-        rec.scratch[_SPAN_KEY] = span
-
-    def started(self, rec: LookupRecord) -> None:
-        parent = rec.scratch.get(_SPAN_KEY)
-        # An unsampled (or already ended, i.e. discarded) lookup gets no child: nothing would record it.
-        if parent is None or not parent.is_recording():
-            return
-        child = self.tracer.start_span(SPAN_RPC, context=trace.set_span_in_context(parent))
-        if child.is_recording():
-            child.set_attribute(ATTR_TRANSPORT, rec.transport)
-        rec.scratch[_RPC_KEY] = child
-
-    def answered(self, rec: LookupRecord) -> None:
-        child = rec.scratch.pop(_RPC_KEY, None)
-        if child is not None:
-            child.end()
-
-    def consumed(self, rec: LookupRecord) -> None:
-        self._end(rec)
-
-    def discarded(self, rec: LookupRecord) -> None:
-        self._end(rec)
-
-    def _end(self, rec: LookupRecord) -> None:
-        # The span stays in scratch: a round trip already under way still ends its child span on it.
-        span = rec.scratch.get(_SPAN_KEY)
-        if span is None:
-            return
-        if span.is_recording():
-            outcome = rec.outcome if rec.outcome is not None else Outcome.ERROR
-            span.set_attributes({
                 ATTR_OUTCOME: outcome.value,
                 ATTR_HIT_TOKENS: rec.hit_tokens,
                 ATTR_DEFERRED_STEPS: rec.deferrals,
@@ -137,7 +129,21 @@ class TracingObserver(NullObserver):
                 span.set_status(Status(StatusCode.ERROR, rec.error or outcome.value))
                 if rec.error:
                     span.set_attribute(ATTR_ERROR, rec.error)
-        span.end()
+            self._record_rpc(rec, span, end)
+        span.end(end_time=self._ns(end))
+
+    def _record_rpc(self, rec: LookupRecord, parent: Any, end: float) -> None:
+        """The round trip, as the lookup span's child; cut at the lookup's end if the answer came later."""
+        t_start, t_answer = rec.t_start, rec.t_answer
+        if t_start is None:
+            return  # never left the queue (rejected, breaker open, discarded before sending)
+        child = self.tracer.start_span(SPAN_RPC, context=trace.set_span_in_context(parent),
+                                       start_time=self._ns(min(t_start, end)))
+        child.set_attribute(ATTR_TRANSPORT, rec.transport)
+        if t_answer is None or t_answer > end:
+            child.set_status(Status(StatusCode.ERROR, "no answer before the lookup ended"))
+            t_answer = end
+        child.end(end_time=self._ns(t_answer))
 
     def shutdown(self) -> None:
         """Flush and stop the provider this observer owns (if any)."""

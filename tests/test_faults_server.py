@@ -14,11 +14,10 @@ from typing import Any, Iterator
 
 import pytest
 
-from mooncake_lookout.connector.soak import FaultRig, Violations
+from mooncake_lookout.connector.soak import FaultRig
 from mooncake_lookout.connector.workload import shared_prefix_workload
 
 TIMEOUT_MS = 100.0
-SLACK_S = 0.005
 RECOVERY_BOUND_S = 5.0
 CONFIG = dict(lookup_timeout_ms=TIMEOUT_MS, lookup_breaker_failures=1000, lookup_breaker_cooldown_s=0.2)
 
@@ -36,9 +35,10 @@ def work(rig: FaultRig) -> Any:
     reqs = shared_prefix_workload(32, prefix_blocks=4, unique_blocks=4, num_prefixes=4,
                                   seed=int(time.time_ns() % 1_000_000))
     rig.store(reqs, lambda r: (hash(r.req_id) % 5) * 2)
-    rig.violations = Violations()  # each test judges its own
+    rig.reset_checks()  # each test judges its own violations and call times
     yield reqs
     assert rig.violations.empty(), rig.violations
+    assert rig.budget.problems() is None, rig.budget.problems()
 
 
 def ask_all(rig: FaultRig, reqs: list[Any], prefix: str, *, blocking_every: int = 4,
@@ -49,9 +49,8 @@ def ask_all(rig: FaultRig, reqs: list[Any], prefix: str, *, blocking_every: int 
     """
     client, timeout_s = rig.client, TIMEOUT_MS / 1000
     t_sub: dict[str, float] = {}
-    for i, r in enumerate(reqs):
-        t_sub[f"{prefix}{i}"] = time.perf_counter()
-        client.start(f"{prefix}{i}", r.num_tokens, r.block_hashes)
+    for i, r in enumerate(reqs):  # the client's own submit time starts each deadline
+        t_sub[f"{prefix}{i}"] = client.start(f"{prefix}{i}", r.num_tokens, r.block_hashes).rec.t_submit
     answers: dict[str, Any] = {}
     end = time.monotonic() + bound_s
     while len(answers) < len(reqs):
@@ -63,7 +62,7 @@ def ask_all(rig: FaultRig, reqs: list[Any], prefix: str, *, blocking_every: int 
             t0 = time.perf_counter()
             res = client.lookup(rid, r.num_tokens, r.block_hashes, non_block=(i % blocking_every != 0))
             spent = time.perf_counter() - t0
-            assert spent <= timeout_s + SLACK_S, f"lookup() blocked {spent * 1000:.1f} ms"
+            rig.budget.record(spent)  # judged at the end of the test
             if res is None:
                 assert t0 < t_sub[rid] + timeout_s, "told to ask again after the deadline"
                 continue
@@ -113,7 +112,7 @@ def test_server_hung_then_resumed_serves_no_late_answer(rig: FaultRig, work: lis
     try:
         t0 = time.perf_counter()
         blocked = client.lookup("hung-sync", work[0].num_tokens, work[0].block_hashes)
-        assert time.perf_counter() - t0 <= TIMEOUT_MS / 1000 + SLACK_S
+        rig.budget.record(time.perf_counter() - t0)
         assert blocked.hit_length == 0
         client.discard("hung-sync")
         answers = ask_all(rig, work, "hung-")

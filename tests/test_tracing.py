@@ -128,10 +128,14 @@ def test_timeout_and_discard_end_the_span(spans) -> None:  # type: ignore[no-unt
     observer.consumed(timed_out)
     gone = LookupRecord("b", 32, 2, "upstream", 0, time.perf_counter())
     observer.submitted(gone)
-    _on_transport_thread(observer.started, gone)
-    gone.outcome = Outcome.DISCARDED
+
+    def take() -> None:  # what LookupJob.start() does on the transport thread
+        gone.t_start = time.perf_counter()
+        observer.started(gone)
+
+    _on_transport_thread(take)
+    gone.outcome, gone.t_consume = Outcome.DISCARDED, time.perf_counter()
     observer.discarded(gone)  # discarded while its round trip is still out
-    _on_transport_thread(observer.answered, gone)
     exported = exporter.get_finished_spans()
     lookups = {s.attributes[ATTR_REQUEST_ID]: s for s in _by_name(exported, SPAN_LOOKUP)}
     t = lookups[hash_request_id("a")]
@@ -142,6 +146,8 @@ def test_timeout_and_discard_end_the_span(spans) -> None:  # type: ignore[no-unt
     assert d.attributes[ATTR_OUTCOME] == "discarded"
     [rpc] = _by_name(exported, SPAN_RPC)
     assert rpc.parent is not None and rpc.parent.span_id == d.context.span_id
+    assert rpc.status.status_code is StatusCode.ERROR  # cut short: no answer before the lookup ended
+    assert rpc.end_time <= d.end_time
 
 
 def test_unsampled_lookups_record_nothing(clean_otel_env: pytest.MonkeyPatch) -> None:
@@ -238,14 +244,16 @@ def test_spans_reach_an_otlp_http_receiver(clean_otel_env: pytest.MonkeyPatch) -
         for rec in recs:
             obs.submitted(rec)
 
-        def transport() -> None:
+        def transport() -> None:  # what LookupJob.start() / finish() do
             for rec in recs:
+                rec.t_start = time.perf_counter()
                 obs.started(rec)
+                rec.t_answer = time.perf_counter()
                 obs.answered(rec)
 
         _on_transport_thread(transport)
         for rec in recs:
-            rec.outcome, rec.hit_tokens = Outcome.HIT, 48
+            rec.outcome, rec.hit_tokens, rec.t_consume = Outcome.HIT, 48, time.perf_counter()
             obs.consumed(rec)
         observer.shutdown()  # flushes the batch processor
         deadline = time.monotonic() + 10
