@@ -102,7 +102,7 @@ class LookupClient:
                     job.done.wait(wait)
                     answer = job.answer
                 if answer is None:
-                    if job.remaining() > 0:
+                    if non_block and job.remaining() > 0:
                         entry.rec.deferrals += 1
                         self.observers.deferred(entry.rec)
                         return None

@@ -1,4 +1,4 @@
-"""``mooncake-lookout demo``: the lookup path at work on any machine, in about half a minute.
+"""``mooncake-lookout demo``: the lookup path at work on any machine, in well under a minute (most of it starting vLLM).
 
 It starts a real Mooncake master on 127.0.0.1, fills it with cached prefixes of a shared-prefix
 workload, starts the lookup servers (in a child process, as in vLLM's worker) and vLLM's real
@@ -23,12 +23,12 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-DURATIONS = {"small": 6.0, "default": 24.0}
+DURATIONS = {"small": 4.5, "default": 9.0}
 MODE_NAMES = ("sync", "async", "budget")
 
 
 def parse_duration(text: str) -> float:
-    """Seconds of load in all (split across the three modes): a number, ``small`` (6) or ``default`` (24)."""
+    """Seconds of load in all (split across the three modes): a number, ``small`` (4.5) or ``default`` (9)."""
     if text in DURATIONS:
         return DURATIONS[text]
     try:
@@ -45,7 +45,7 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("demo", help="run the lookup path on a real master and vLLM's scheduler",
                               description=__doc__.split("\n\n")[1])
     p.add_argument("--duration", type=parse_duration, default=DURATIONS["default"], metavar="SECONDS",
-                   help="seconds of load in all, split across the three modes; or 'small' (6) / 'default' (24)")
+                   help="seconds of load in all, split across the three modes; or 'small' (4.5) / 'default' (9)")
     p.add_argument("--port", type=int, default=0, help="port of /metrics on 127.0.0.1 (default 0: any free port)")
     p.add_argument("--rate", type=int, default=4, metavar="N", help="new requests per scheduler step (default 4)")
     p.add_argument("--prompt-blocks", type=int, default=8, metavar="N",

@@ -187,6 +187,10 @@ class ServerProcess:
     ``standby``: keep the next child already spawned and imported, waiting for a word on stdin, so a
     restart costs a bind (~0.1 s) instead of an interpreter and a vLLM import. What a restart measures
     is then the client's recovery, not Python's start-up.
+
+    Children die with the *thread* that spawned them (``PR_SET_PDEATHSIG``), so no server outlives a
+    killed test: call :meth:`start` from a thread that lives as long as the server should. A restarted
+    child starts with the delay as ``delay_on`` says, whatever :meth:`set_delay` switched since.
     """
 
     def __init__(self, transport: str, master: str, *, namespace: str, address: str | None = None,

@@ -104,8 +104,6 @@ class Tally(NullObserver):
 
     def __init__(self) -> None:
         self.outcomes: collections.Counter[str] = collections.Counter()
-        self.max_call_s = 0.0
-        self.calls = 0
 
     def consumed(self, rec: LookupRecord) -> None:
         self.outcomes[rec.outcome.value if rec.outcome else "?"] += 1

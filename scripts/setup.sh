@@ -22,7 +22,8 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
 fi
 
-want=$(sha256sum "$here/scripts/setup.sh" "$here/pyproject.toml" | sha256sum | cut -c1-16)
+want=$(cat "$here/scripts/setup.sh" "$here/pyproject.toml" "$here/scripts/requirements-vllm-cpu.txt" \
+  "$here/scripts/constraints.txt" | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   log "venv up to date: $venv"
 else
@@ -30,6 +31,8 @@ else
   python3 -m venv "$venv"
   pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
   "${pip[@]}" --upgrade "pip>=24" wheel setuptools
+  # Every package at the version this project was tested with (torch is chosen below).
+  pip+=(-c "$here/scripts/constraints.txt")
   # CPU torch: the +cpu build where this machine's wheel store has it, plain torch elsewhere.
   "${pip[@]}" "torch==2.13.0+cpu" 2>/dev/null || "${pip[@]}" "torch==2.13.0"
   # vLLM's scheduler-side dependencies, hand-picked (ANCHORS §7): never let pip resolve vllm itself.
