@@ -100,14 +100,14 @@ def stopped(rig: Rig, request: WorkloadRequest, *, wait_s: float = 3.0) -> dict[
                     out[name]["deadline_ms"] = TIMEOUT_MS
         finally:
             rig.master.resume()
-        for name, res in out.items():
+        for res in out.values():
             thread = res.pop("thread", None) if isinstance(res, dict) else None
             if thread is not None:
                 t0 = time.perf_counter()
                 thread.join(60.0)
                 res["returned_after_resume_s"] = time.perf_counter() - t0
     finally:
-        for client, close in clients.values():
+        for _, close in clients.values():
             close()
     return out
 

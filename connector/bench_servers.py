@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from mooncake_lookout.connector.mooncake_master import _death_signal_setter
+from mooncake_lookout.connector.processes import die_with_parent
 
 BLOCK_SIZE = 16
 
@@ -48,7 +48,7 @@ class ServerProcess:
         env = dict(os.environ, MC_LOG_LEVEL=os.environ.get("MC_LOG_LEVEL", "ERROR"))
         self._proc = subprocess.Popen([sys.executable, "-m", __name__, *self.args], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-                                      preexec_fn=_death_signal_setter())
+                                      preexec_fn=die_with_parent())
         assert self._proc.stdout is not None
         sel = selectors.DefaultSelector()
         sel.register(self._proc.stdout, selectors.EVENT_READ)

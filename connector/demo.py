@@ -34,7 +34,8 @@ def parse_duration(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--duration must be seconds or one of {sorted(DURATIONS)}, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"--duration must be seconds or one of {sorted(DURATIONS)}, got {text!r}") from None
     if not 0 < value <= 3600:
         raise argparse.ArgumentTypeError(f"--duration must be > 0 and <= 3600 seconds, got {text!r}")
     return value

@@ -29,9 +29,9 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
+from mooncake_lookout.connector.processes import die_with_parent, freeze, thaw
 from mooncake_lookout.connector.job import LookupResult
 
 TRANSPORTS = ("pipelined", "upstream")
@@ -78,26 +78,6 @@ class InjectedDelayBackend:
 
 # -- parent side -----------------------------------------------------------------------------------------------
 
-def _process_state(pid: int) -> str | None:
-    """The one-letter state from ``/proc/PID/stat`` (``T`` = stopped), or None if gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat[stat.rindex(")") + 2]
-
-
-def _die_with_parent() -> Any:
-    """``preexec_fn`` asking Linux to SIGKILL the child when the starting thread dies (None off Linux)."""
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        return None
-    return lambda: prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-
-
 class _Child:
     """One child process and the lines it printed (read on a daemon thread)."""
 
@@ -109,7 +89,7 @@ class _Child:
         self.proc: subprocess.Popen[str] = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.PIPE if standby else subprocess.DEVNULL, env=env, text=True,
-            start_new_session=True, preexec_fn=_die_with_parent())
+            start_new_session=True, preexec_fn=die_with_parent())
         self.reader = threading.Thread(target=self._pump, daemon=True, name=f"lookout-server-proc-{self.proc.pid}")
         self.reader.start()
 
@@ -312,20 +292,11 @@ class ServerProcess:
 
     def pause(self, timeout_s: float = 5.0) -> None:
         """Hang the server (SIGSTOP) and return once the kernel reports it stopped."""
-        self._signal_and_wait(signal.SIGSTOP, lambda s: s == "T", timeout_s)
+        freeze(self.pid, timeout_s, "lookup server process")
 
     def resume(self, timeout_s: float = 5.0) -> None:
         """Thaw a hung server (SIGCONT) and return once it runs again."""
-        self._signal_and_wait(signal.SIGCONT, lambda s: s not in ("T", "t"), timeout_s)
-
-    def _signal_and_wait(self, sig: signal.Signals, reached: Any, timeout_s: float) -> None:
-        pid = self.pid
-        os.kill(pid, sig)
-        deadline = time.monotonic() + timeout_s
-        while not reached(_process_state(pid)):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"lookup server process {pid} did not reach the state after {sig.name}")
-            time.sleep(0.002)
+        thaw(self.pid, timeout_s, "lookup server process")
 
     def set_delay(self, on: bool, timeout_s: float = 10.0) -> None:
         """Switch the injected store delay on or off in the running child; returns once the child says so."""

@@ -33,7 +33,9 @@ import urllib.request
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
+
+from mooncake_lookout.connector.processes import die_with_parent, freeze, thaw
 
 BINARY_NAME = "mooncake_master"
 INSTALL_HINT = (
@@ -86,31 +88,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
-
-
-def _death_signal_setter() -> Callable[[], None] | None:
-    """A function for ``preexec_fn`` that asks Linux to SIGKILL the child when its parent dies.
-
-    ``prctl`` is looked up here, in the parent: the child between fork and exec must not import.
-    None where there is no ``prctl`` (not Linux); the atexit hook still covers normal exits.
-    """
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    pr_set_pdeathsig, sigkill = 1, int(signal.SIGKILL)
-    return lambda: prctl(pr_set_pdeathsig, sigkill, 0, 0, 0)
-
-
-def _process_state(pid: int) -> str | None:
-    """The one-letter state from ``/proc/PID/stat`` (``T`` = stopped), or None if gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat[stat.rindex(")") + 2]
 
 
 _LIVE: "weakref.WeakSet[EmbeddedMaster]" = weakref.WeakSet()
@@ -215,7 +192,7 @@ class EmbeddedMaster:
         try:
             self._proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-                                          preexec_fn=_death_signal_setter() if self.die_with_parent else None)
+                                          preexec_fn=die_with_parent() if self.die_with_parent else None)
         except OSError as exc:
             raise MasterError(f"cannot run {self.binary}: {exc}; {INSTALL_HINT}") from exc
         self._log_thread = threading.Thread(target=self._pump_log, args=(self._proc,),
@@ -305,20 +282,17 @@ class EmbeddedMaster:
 
     def pause(self, timeout_s: float = 5.0) -> None:
         """Freeze the master (SIGSTOP) and return once the kernel reports it stopped."""
-        self._signal_and_wait(signal.SIGSTOP, lambda state: state == "T", timeout_s)
+        try:
+            freeze(self.pid, timeout_s, "mooncake_master")
+        except TimeoutError as e:
+            raise MasterError(str(e)) from e
 
     def resume(self, timeout_s: float = 5.0) -> None:
         """Thaw a paused master (SIGCONT) and return once it runs again."""
-        self._signal_and_wait(signal.SIGCONT, lambda state: state not in ("T", "t"), timeout_s)
-
-    def _signal_and_wait(self, sig: signal.Signals, reached: Any, timeout_s: float) -> None:
-        pid = self.pid
-        os.kill(pid, sig)
-        deadline = time.perf_counter() + timeout_s
-        while not reached(_process_state(pid)):
-            if time.perf_counter() > deadline:
-                raise MasterError(f"mooncake_master (pid {pid}) did not reach the state after {sig.name}")
-            time.sleep(0.002)
+        try:
+            thaw(self.pid, timeout_s, "mooncake_master")
+        except TimeoutError as e:
+            raise MasterError(str(e)) from e
 
     def __enter__(self) -> "EmbeddedMaster":
         return self.start()

@@ -30,7 +30,7 @@ def latency_plot(raw: dict[str, dict[str, list[float]]], path: str) -> str:
     for name, series in raw.items():
         _cdf(axes[0], series["sync"], name)
         _cdf(axes[1], series["async_first"], name)
-    for ax, title in zip(axes, ("blocking lookup call (sync)", "first non-blocking call (async)")):
+    for ax, title in zip(axes, ("blocking lookup call (sync)", "first non-blocking call (async)"), strict=True):
         ax.set_xscale("log")
         ax.set_xlabel("microseconds on the scheduler's thread")
         ax.set_ylabel("fraction of calls")

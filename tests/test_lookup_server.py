@@ -7,7 +7,6 @@ own; the transport has its own tests.
 from __future__ import annotations
 
 import os
-import queue
 import random
 import signal
 import stat
@@ -23,6 +22,7 @@ import pytest
 import zmq
 from prometheus_client import CollectorRegistry
 
+from mooncake_lookout.connector.processes import wait_for_line
 from mooncake_lookout.connector import protocol as p
 from mooncake_lookout.connector import upstream_wire
 from mooncake_lookout.connector.mooncake_master import EmbeddedMaster, free_port, open_store
@@ -393,7 +393,7 @@ def test_serve_command_with_embedded_master_answers_and_serves_metrics(tmp_path:
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     ctx = zmq.Context()
     try:
-        address = _read_line(proc, "listening on ").split()[-1]
+        address = wait_for_line(proc, "listening on ").split()[-1]
         assert address.startswith("tcp://127.0.0.1:")  # TCP on request, loopback by default
         sock = _dealer(ctx, address)
         sock.send_multipart(p.encode_lookup(5, 129, [b"h" * 32] * 8))
@@ -413,25 +413,3 @@ def test_serve_command_with_embedded_master_answers_and_serves_metrics(tmp_path:
         proc.stdout.close()
 
 
-def _read_line(proc: subprocess.Popen[str], prefix: str, bound_s: float = 60.0) -> str:
-    """The first stdout line of ``proc`` starting with ``prefix``, waited for at most ``bound_s``."""
-    lines: queue.Queue[str] = queue.Queue()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.put(line)
-            if line.startswith(prefix):
-                return  # stop reading; the rest of stdout is not ours to consume
-
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.perf_counter() + bound_s
-    while True:
-        remaining = deadline - time.perf_counter()
-        assert remaining > 0 and proc.poll() is None, f"no {prefix!r} line (exit code {proc.poll()})"
-        try:
-            line = lines.get(timeout=min(remaining, 0.5))
-        except queue.Empty:
-            continue
-        if line.startswith(prefix):
-            return line.strip()

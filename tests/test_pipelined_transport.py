@@ -4,7 +4,6 @@ a server killed and restarted with lookups in flight, store errors, and the Look
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from typing import Any, Callable, Iterator, Sequence
 import pytest
 import zmq
 
+from mooncake_lookout.connector.processes import wait_for_line
 from mooncake_lookout.connector import protocol as p
 from mooncake_lookout.connector.burst import burst
 from mooncake_lookout.connector.client import LookupClient
@@ -187,35 +187,11 @@ def _start_serve(master: EmbeddedMaster, address: str, namespace: str) -> subpro
          "--address", address, "--namespace", namespace, "--log-level", "WARNING"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
-        assert _read_line(proc, "listening on ").split()[-1] == address
+        assert wait_for_line(proc, "listening on ").split()[-1] == address
     except BaseException:
         _kill(proc)
         raise
     return proc
-
-
-def _read_line(proc: subprocess.Popen[str], prefix: str, bound_s: float = 60.0) -> str:
-    """The first stdout line of ``proc`` starting with ``prefix``, waited for at most ``bound_s``."""
-    lines: queue.Queue[str] = queue.Queue()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.put(line)
-            if line.startswith(prefix):
-                return  # stop reading; the rest of stdout is not ours to consume
-
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.perf_counter() + bound_s
-    while True:
-        remaining = deadline - time.perf_counter()
-        assert remaining > 0 and proc.poll() is None, f"no {prefix!r} line (exit code {proc.poll()})"
-        try:
-            line = lines.get(timeout=min(remaining, 0.5))
-        except queue.Empty:
-            continue
-        if line.startswith(prefix):
-            return line.strip()
 
 
 def _kill(proc: subprocess.Popen[str]) -> None:
