@@ -64,9 +64,11 @@ def observers_with_telemetry(registry: Any = None, *, metrics: bool = True,
                              spans: bool = True) -> tuple[list[LookupObserver], Any]:
     """A Prometheus sink (fresh registry unless given) and an OTel tracing observer exporting to memory.
 
+    Each runs behind a :class:`BackgroundObserver`, as in production: the scheduler's thread only enqueues.
     Returns the observers and the span exporter (so callers can count spans). The tracer provider is
     private: it never replaces a global one. ``metrics`` / ``spans`` pick the parts.
     """
+    from mooncake_lookout.connector.events import BackgroundObserver
     from mooncake_lookout.metrics.prometheus_sink import PrometheusSink
     from mooncake_lookout.metrics.tracing import TracingObserver
     from opentelemetry.sdk.trace import TracerProvider
@@ -81,9 +83,10 @@ def observers_with_telemetry(registry: Any = None, *, metrics: bool = True,
     provider.add_span_processor(BatchSpanProcessor(exporter))
     observers: list[LookupObserver] = []
     if metrics:
-        observers.append(PrometheusSink(registry=registry if registry is not None else CollectorRegistry()))
+        observers.append(BackgroundObserver(
+            PrometheusSink(registry=registry if registry is not None else CollectorRegistry())))
     if spans:
-        observers.append(TracingObserver(provider.get_tracer("mooncake_lookout.bench"), provider))
+        observers.append(BackgroundObserver(TracingObserver(provider.get_tracer("mooncake_lookout.bench"), provider)))
     return observers, exporter
 
 

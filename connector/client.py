@@ -65,6 +65,9 @@ class LookupClient:
             probe_timeout_s=config.timeout_s, on_change=self.observers.breaker_changed)
         self.generation = 0
         self.pending = 0
+        # How long a non-blocking lookup may wait for its answer; the scheduler adapter lowers it as a step's
+        # budget is spent.
+        self.wait_s = config.wait_s
         # A hit is never the whole prompt: the last token must be computed (vLLM #55113). The scheduler
         # adapter sets its block size so a capped hit stays block-aligned.
         self.hit_block_size = 1
@@ -86,11 +89,11 @@ class LookupClient:
                *, wait_s: float | None = None) -> LookupResult | None:
         """The hit for ``req_id``, or ``None`` while it is pending (``non_block``: ask again on a later step).
 
-        A non-blocking call may wait ``wait_s`` (default: ``lookup_wait_us``) for an almost-ready answer
-        before deferring; a blocking one waits until the deadline at most.
+        A non-blocking call may wait ``wait_s`` (default: :attr:`wait_s`, from ``lookup_wait_us``) for an
+        almost-ready answer before deferring; a blocking one waits until the deadline at most.
         """
         if wait_s is None:
-            wait_s = self.config.wait_s
+            wait_s = self.wait_s
         entry = self.start(req_id, num_tokens, block_hashes)
         if entry.final is None:
             job = entry.job

@@ -52,7 +52,7 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--prompt-blocks", type=int, default=8, metavar="N",
                    help="blocks of 16 tokens per prompt (default 8; half of them a shared prefix)")
     p.add_argument("--prefixes", type=int, default=4, metavar="N", help="distinct shared prefixes (default 4)")
-    p.add_argument("--prompts", type=int, default=2048, metavar="N",
+    p.add_argument("--prompts", "--requests", dest="prompts", type=int, default=2048, metavar="N",
                    help="distinct prompts, cached in the store before the run (default 2048)")
     p.add_argument("--budget-us", type=int, default=200, metavar="US",
                    help="lookup_wait_us of the budget mode (default 200)")
@@ -149,6 +149,7 @@ def _run(args: argparse.Namespace, stop: threading.Event, out: TextIO) -> int:
     from mooncake_lookout.connector.bench_rig import Rig
     from mooncake_lookout.connector.bench_sched import Workload, run_mode
     from mooncake_lookout.connector.config import LookupConfig
+    from mooncake_lookout.connector.events import BackgroundObserver
     from mooncake_lookout.connector.mooncake_master import MasterError
     from mooncake_lookout.metrics.exporter import serve_metrics
     from mooncake_lookout.metrics.prometheus_sink import PrometheusSink
@@ -160,6 +161,7 @@ def _run(args: argparse.Namespace, stop: threading.Event, out: TextIO) -> int:
 
     registry = CollectorRegistry()
     sink = PrometheusSink(registry=registry)
+    telemetry = BackgroundObserver(sink)  # the scheduler's thread only enqueues
     try:
         endpoint = serve_metrics(args.port, registry=registry)
     except OSError as exc:
@@ -192,7 +194,7 @@ def _run(args: argparse.Namespace, stop: threading.Event, out: TextIO) -> int:
                                   f"{1e6 * sum(run.blocked_per_step) / max(1, run.steps):8.1f} us")
 
                 runs.append(run_mode(rig, workload, m, arrivals_per_step=args.rate, steps=None, seconds=per_mode,
-                                     model_step_s=args.model_step_ms / 1e3, observers=[sink], on_step=on_step,
+                                     model_step_s=args.model_step_ms / 1e3, observers=[telemetry], on_step=on_step,
                                      should_stop=stop.is_set, drain_s=2.0))
                 progress.show(f"[{m.label:6}] done: {runs[-1].requests} requests in {runs[-1].steps} steps",
                               force=True)

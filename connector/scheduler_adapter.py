@@ -4,8 +4,10 @@ Upstream's logic (load specs, store jobs, block pinning) is inherited unchanged;
 how a lookup is started, waited for, timed and forgotten:
 
 * a lookup starts when the request arrives (``on_new_request``) if ``lookup_on_admission``;
-* ``get_num_new_matched_tokens`` keeps vLLM's ``(None, False)`` = "ask again later" contract, waits up
-  to ``lookup_wait_us`` for an answer in async mode, and is timed (``scheduler_call`` events);
+* ``get_num_new_matched_tokens`` keeps vLLM's ``(None, False)`` = "ask again later" contract and is
+  timed (``scheduler_call`` events); in async mode the scheduler may wait for almost-ready answers, but
+  ``lookup_wait_us`` is a budget per scheduling step, shared by all its calls, so a step with many new
+  requests still waits that long at most;
 * an answer is kept until the request is allocated, so a failed allocation costs no second round trip;
 * lookups of finished, aborted and preempted requests are discarded.
 """
@@ -24,6 +26,13 @@ from mooncake_lookout.connector.events import BackgroundObserver, LookupObserver
 from mooncake_lookout.connector.transports import make_transport
 
 
+def retire_upstream_client(client: Any) -> None:
+    """Close a vLLM ``LookupKeyClient`` that never sent anything, context included (its ``close`` leaves the
+    ZMQ context to the garbage collector, whose ``term()`` can then hang)."""
+    client.close()
+    client.ctx.term()
+
+
 class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
     """Upstream's scheduler-side connector logic over a deadline-bound, observable lookup client."""
 
@@ -32,12 +41,13 @@ class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
         config = LookupConfig.from_extra_config(extra)  # fail on a bad key before anything starts
         super().__init__(vllm_config, kv_cache_config)
         # Upstream built its own LookupKeyClient; ours replaces it (it never sent anything).
-        self.client.close()
+        retire_upstream_client(self.client)
         self.lookup_config = config
         self.lookup_async = config.lookup_async
         self.client = LookupClient(config, make_transport(config, lookup_address(vllm_config, config)),
                                    observer=observer)
         self.client.hit_block_size = self._block_size
+        self._step_budget_s = config.wait_s
         self.observers = self.client.observers
         # vLLM's stats pipeline (served on vLLM's own /metrics) and, if OTEL_* asks for it, spans.
         from mooncake_lookout.metrics.tracing import tracing_observer_from_env
@@ -70,10 +80,14 @@ class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
         """Upstream's answer (``(None, False)`` while pending), timed as time spent blocking the scheduler."""
         t0 = time.perf_counter()
         self._trace_parent(request)
+        self.client.wait_s = self._step_budget_s
         try:
             return super().get_num_new_matched_tokens(request, num_computed_tokens)
         finally:
-            self.observers.scheduler_call(self.lookup_config.mode, time.perf_counter() - t0)
+            spent = time.perf_counter() - t0
+            if self._step_budget_s > 0:
+                self._step_budget_s = max(0.0, self._step_budget_s - spent)
+            self.observers.scheduler_call(self.lookup_config.mode, spent)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """The answer has been used for an allocation: it need not be kept any longer."""
@@ -84,6 +98,7 @@ class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
         """Forget lookups of requests preempted this step; their prompt grew, so a fresh lookup is due."""
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self.client.discard(req_id)
+        self._step_budget_s = self.lookup_config.wait_s  # once per step: the next step's wait budget
         return super().build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Any) -> None:
@@ -102,4 +117,4 @@ class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
             self.tracer.shutdown()
 
 
-__all__ = ["LookoutMooncakeStoreScheduler"]
+__all__ = ["LookoutMooncakeStoreScheduler", "retire_upstream_client"]

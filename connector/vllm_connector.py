@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import MooncakeStoreConnector
 
 from mooncake_lookout.connector.config import LookupConfig
-from mooncake_lookout.connector.scheduler_adapter import LookoutMooncakeStoreScheduler
+from mooncake_lookout.connector.scheduler_adapter import LookoutMooncakeStoreScheduler, retire_upstream_client
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class LookoutMooncakeStoreConnector(MooncakeStoreConnector):
             # super() built upstream's scheduler; replace it (it held only an idle client).
             upstream = self.connector_scheduler
             if upstream is not None:
-                upstream.client.close()
+                retire_upstream_client(upstream.client)
             self.connector_scheduler = LookoutMooncakeStoreScheduler(vllm_config, kv_cache_config)
         elif self.lookup_config.lookup_transport == "pipelined":
             self._lookup_server = _serve_pipelined(vllm_config, self.lookup_config, self.connector_worker)

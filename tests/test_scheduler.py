@@ -229,3 +229,24 @@ def test_registered_name_alone_loads_the_connector() -> None:
         assert type(driver.connector).__name__ == "LookoutMooncakeStoreConnector"
     finally:
         driver.close()
+
+
+def test_the_wait_budget_is_per_step_not_per_call(stack_factory, private_master) -> None:
+    """With a hung store, a step with 8 new requests waits lookup_wait_us in all, not 8 times over."""
+    from mooncake_lookout.connector.mooncake_master import open_store
+    from mooncake_lookout.connector.prefix_index import PrefixIndex
+
+    store = open_store(private_master.rpc_address, rpc_timeout_ms=30_000)
+    try:
+        s = stack_factory(index=PrefixIndex(store, BLOCK_SIZE, namespace="budget"), lookup_async=True,
+                          lookup_wait_us=20_000, lookup_timeout_ms=2_000, lookup_breaker_failures=1000)
+        private_master.pause()
+        for i in range(8):
+            s.driver.add(s.driver.make_request(f"b{i}", s.prompt(i, 64)))
+        s.driver.step()
+        private_master.resume()
+        spent = sum(sec for _, sec in s.timer.calls)
+        assert len(s.timer.calls) == 8
+        assert 0.020 <= spent < 0.020 + 0.010, f"the step spent {spent * 1e3:.1f} ms waiting"
+    finally:
+        store.close()
