@@ -70,6 +70,21 @@ class Stack:
         self._exit.close()
 
 
+@pytest.fixture
+def private_index(private_master) -> Iterator[Any]:
+    """An index over a master of the test's own (free to pause). Ask for it BEFORE ``stack_factory``: the
+    servers must stop before this store client closes (closing it under a running call crashes Mooncake)."""
+    from mooncake_lookout.connector.mooncake_master import open_store
+    from mooncake_lookout.connector.prefix_index import PrefixIndex
+
+    store = open_store(private_master.rpc_address, rpc_timeout_ms=30_000)
+    yield PrefixIndex(store, BLOCK_SIZE, namespace="private")
+    if not private_master.running:
+        return
+    private_master.resume()
+    store.close()
+
+
 @pytest.fixture(params=TRANSPORTS)
 def stack_factory(request, prefix_index, rpc_base_path) -> Iterator[Any]:
     stacks: list[Stack] = []
@@ -133,35 +148,27 @@ def test_async_mode_defers_and_the_budget_removes_deferrals(stack_factory) -> No
     assert {m for m, _ in budget.timer.calls} == {"budget"}
 
 
-def test_a_hung_store_never_holds_a_request_past_the_deadline(stack_factory, private_master) -> None:
+def test_a_hung_store_never_holds_a_request_past_the_deadline(private_index, private_master, stack_factory) -> None:
     """The store hangs (master SIGSTOPped): each request still gets an answer by its deadline plus a step."""
-    from mooncake_lookout.connector.mooncake_master import open_store
-    from mooncake_lookout.connector.prefix_index import PrefixIndex
-
-    store = open_store(private_master.rpc_address, rpc_timeout_ms=30_000)
-    try:
-        s = stack_factory(index=PrefixIndex(store, BLOCK_SIZE, namespace="hung"), lookup_async=True,
-                          lookup_timeout_ms=100, lookup_breaker_failures=1000)
-        private_master.pause()
-        added = {}
-        for i in range(4):
-            req = s.driver.make_request(f"h{i}", s.prompt(i, 64))
-            added[req.request_id] = time.perf_counter()
-            s.driver.add(req)
-        first_seen: dict[str, float] = {}
-        end = time.monotonic() + 10
-        while len(first_seen) < 4 and time.monotonic() < end:
-            out = s.driver.step()
-            for new in out.scheduled_new_reqs:
-                first_seen.setdefault(new.req_id, time.perf_counter())
-            time.sleep(0.005)
-        private_master.resume()
-        assert len(first_seen) == 4, "a request was held past the deadline"
-        for req_id, t in first_seen.items():
-            assert t - added[req_id] < 0.100 + 0.5, f"{req_id} waited {t - added[req_id]:.3f}s"
-        assert max(sec for _, sec in s.timer.calls) < 0.100 + 0.005
-    finally:
-        store.close()
+    s = stack_factory(index=private_index, lookup_async=True, lookup_timeout_ms=100, lookup_breaker_failures=1000)
+    private_master.pause()
+    added = {}
+    for i in range(4):
+        req = s.driver.make_request(f"h{i}", s.prompt(i, 64))
+        added[req.request_id] = time.perf_counter()
+        s.driver.add(req)
+    first_seen: dict[str, float] = {}
+    end = time.monotonic() + 10
+    while len(first_seen) < 4 and time.monotonic() < end:
+        out = s.driver.step()
+        for new in out.scheduled_new_reqs:
+            first_seen.setdefault(new.req_id, time.perf_counter())
+        time.sleep(0.005)
+    private_master.resume()
+    assert len(first_seen) == 4, "a request was held past the deadline"
+    for req_id, t in first_seen.items():
+        assert t - added[req_id] < 0.100 + 0.5, f"{req_id} waited {t - added[req_id]:.3f}s"
+    assert max(sec for _, sec in s.timer.calls) < 0.100 + 0.005
 
 
 def test_abort_discards_pending_lookups(stack_factory, private_master) -> None:
@@ -231,22 +238,15 @@ def test_registered_name_alone_loads_the_connector() -> None:
         driver.close()
 
 
-def test_the_wait_budget_is_per_step_not_per_call(stack_factory, private_master) -> None:
+def test_the_wait_budget_is_per_step_not_per_call(private_index, private_master, stack_factory) -> None:
     """With a hung store, a step with 8 new requests waits lookup_wait_us in all, not 8 times over."""
-    from mooncake_lookout.connector.mooncake_master import open_store
-    from mooncake_lookout.connector.prefix_index import PrefixIndex
-
-    store = open_store(private_master.rpc_address, rpc_timeout_ms=30_000)
-    try:
-        s = stack_factory(index=PrefixIndex(store, BLOCK_SIZE, namespace="budget"), lookup_async=True,
-                          lookup_wait_us=20_000, lookup_timeout_ms=2_000, lookup_breaker_failures=1000)
-        private_master.pause()
-        for i in range(8):
-            s.driver.add(s.driver.make_request(f"b{i}", s.prompt(i, 64)))
-        s.driver.step()
-        private_master.resume()
-        spent = sum(sec for _, sec in s.timer.calls)
-        assert len(s.timer.calls) == 8
-        assert 0.020 <= spent < 0.020 + 0.010, f"the step spent {spent * 1e3:.1f} ms waiting"
-    finally:
-        store.close()
+    s = stack_factory(index=private_index, lookup_async=True, lookup_wait_us=20_000, lookup_timeout_ms=2_000,
+                      lookup_breaker_failures=1000)
+    private_master.pause()
+    for i in range(8):
+        s.driver.add(s.driver.make_request(f"b{i}", s.prompt(i, 64)))
+    s.driver.step()
+    private_master.resume()
+    spent = sum(sec for _, sec in s.timer.calls)
+    assert len(s.timer.calls) == 8
+    assert 0.020 <= spent < 0.020 + 0.010, f"the step spent {spent * 1e3:.1f} ms waiting"
