@@ -68,10 +68,10 @@ def test_background_observer_survives_a_failing_observer_and_drops_past_its_back
             super().consumed(rec)
 
     slow = Slow()
-    bg = BackgroundObserver(slow, max_backlog=10)
+    bg = BackgroundObserver(slow, max_backlog=10, interval_s=0.001)
     for i in range(50):
         bg.consumed(_rec(i))
-    assert bg.dropped >= 39  # the worker holds one, ten wait, the rest are dropped, not queued
+    assert bg.dropped >= 39  # at most one is being handled, ten wait, the rest are dropped, not queued
     gate.set()
     assert bg.flush()
     assert slow.outcomes[Outcome.HIT] == 50 - 1 - bg.dropped
