@@ -36,7 +36,8 @@ KEYS: tuple[Key, ...] = (
     Key("lookup_async", False, bool,
         "upstream's switch: defer with `None` instead of blocking the scheduler"),
     Key("lookup_wait_us", 0, int,
-        "in async mode, how long the scheduler may wait for a pending answer before deferring",
+        "in async mode, how long the scheduler may wait for pending answers before deferring, per step "
+        "(shared by all lookup calls of one scheduling step)",
         lambda v: 0 <= v <= 100_000, "0..100000"),
     Key("lookup_timeout_ms", 100.0, float,
         "deadline of one lookup (queue + send + receive); then a miss, counted as a timeout",
