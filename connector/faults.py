@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Any, Sequence
 
-from mooncake_lookout.connector.processes import die_with_parent, freeze, thaw
+from mooncake_lookout.connector.processes import die_with_parent, freeze, stop_process, thaw
 from mooncake_lookout.connector.job import LookupResult
 
 TRANSPORTS = ("pipelined", "upstream")
@@ -132,18 +132,7 @@ class _Child:
     def kill(self, sig: signal.Signals = signal.SIGKILL, timeout_s: float = 10.0) -> None:
         """End the child by pid (``SIGKILL``, or SIGCONT+SIGTERM then SIGKILL for a clean stop) and reap it."""
         proc = self.proc
-        if proc.poll() is None:
-            try:
-                if sig == signal.SIGTERM:
-                    os.kill(proc.pid, signal.SIGCONT)  # a paused child cannot act on SIGTERM
-                os.kill(proc.pid, sig)
-            except ProcessLookupError:
-                pass
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=timeout_s)
+        stop_process(proc, sig, timeout_s)
         self.reader.join(timeout=5.0)
         for stream in (proc.stdout, proc.stdin):
             if stream is not None:

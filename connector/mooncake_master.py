@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from mooncake_lookout.connector.processes import die_with_parent, freeze, thaw
+from mooncake_lookout.connector.processes import die_with_parent, freeze, stop_process, thaw
 
 BINARY_NAME = "mooncake_master"
 INSTALL_HINT = (
@@ -248,17 +248,7 @@ class EmbeddedMaster:
         proc, self._proc = self._proc, None
         if proc is None:
             return
-        if proc.poll() is None:
-            try:
-                os.kill(proc.pid, signal.SIGCONT)  # a paused master cannot act on SIGTERM
-                os.kill(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=timeout_s)
+        stop_process(proc, signal.SIGTERM, timeout_s)
         self._join_log()
         if proc.stdout is not None:
             proc.stdout.close()

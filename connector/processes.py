@@ -42,6 +42,23 @@ def thaw(pid: int, timeout_s: float, what: str) -> None:
     signal_and_wait(pid, signal.SIGCONT, lambda s: s not in ("T", "t"), timeout_s, what)
 
 
+def stop_process(proc: subprocess.Popen, sig: signal.Signals = signal.SIGTERM, timeout_s: float = 5.0) -> None:
+    """Stop ``proc`` by pid: ``sig`` (SIGCONT first, since a paused process cannot act on SIGTERM), then
+    SIGKILL if it has not exited after ``timeout_s``; always reaped."""
+    if proc.poll() is None:
+        try:
+            if sig == signal.SIGTERM:
+                os.kill(proc.pid, signal.SIGCONT)
+            os.kill(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=timeout_s)
+
+
 def die_with_parent() -> Callable[[], None] | None:
     """A ``preexec_fn`` asking Linux to SIGKILL the child when the thread that started it dies (None off Linux).
 
@@ -86,4 +103,4 @@ def wait_for_line(proc: subprocess.Popen[str], prefix: str, bound_s: float = 60.
             return line.strip()
 
 
-__all__ = ["die_with_parent", "freeze", "process_state", "signal_and_wait", "thaw", "wait_for_line"]
+__all__ = ["die_with_parent", "stop_process", "freeze", "process_state", "signal_and_wait", "thaw", "wait_for_line"]

@@ -84,6 +84,18 @@ def prefix_index(store: Any) -> Iterator[PrefixIndex]:
 
 
 @pytest.fixture
+def index(prefix_index: PrefixIndex) -> PrefixIndex:
+    """A lookup server's backend: ``prefix_index`` under the name server tests read best."""
+    return prefix_index
+
+
+@pytest.fixture
+def filler(prefix_index: PrefixIndex) -> PrefixIndex:
+    """Writes the keys lookups should find: ``prefix_index`` again (one namespace)."""
+    return prefix_index
+
+
+@pytest.fixture
 def private_master() -> Iterator[EmbeddedMaster]:
     """A fresh master of the test's own, free to pause, kill or restart; killed by pid afterwards."""
     master = EmbeddedMaster(kv_lease_ttl_ms=500).start()

@@ -36,18 +36,6 @@ BLOCK = 16
 
 
 @pytest.fixture
-def index(prefix_index: PrefixIndex) -> PrefixIndex:
-    """The server's backend: a real PrefixIndex on the session's master, in a namespace of its own."""
-    return prefix_index
-
-
-@pytest.fixture
-def filler(prefix_index: PrefixIndex) -> PrefixIndex:
-    """Writes the keys lookups should find (the same index: one namespace)."""
-    return prefix_index
-
-
-@pytest.fixture
 def ctx() -> Iterator[zmq.Context]:
     c = zmq.Context()
     yield c

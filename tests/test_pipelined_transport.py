@@ -34,18 +34,6 @@ BLOCK = 16
 
 
 @pytest.fixture
-def index(prefix_index: PrefixIndex) -> PrefixIndex:
-    """The server's backend: a real PrefixIndex on the session's master, in a namespace of its own."""
-    return prefix_index
-
-
-@pytest.fixture
-def filler(prefix_index: PrefixIndex) -> PrefixIndex:
-    """Writes the keys lookups should find (the same index: one namespace)."""
-    return prefix_index
-
-
-@pytest.fixture
 def private_dir(tmp_path: Path) -> Path:
     d = tmp_path / "ipc"
     d.mkdir(mode=0o700)
