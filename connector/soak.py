@@ -70,7 +70,7 @@ class CallBudget:
     On a loaded 2-core machine the OS may run a woken thread a few milliseconds late; such an outlier is
     not the lookup path waiting. A *wedge* (what upstream's client does when its server stalls) shows as a
     call far past the deadline: ``hard_factor`` x ``timeout_s`` catches it. :meth:`problems` allows at
-    most ``outliers_allowed`` calls over the bound and none over the hard limit.
+    most ``outliers_allowed`` calls (or one in 2,000, if more) over the bound and none over the hard limit.
     """
 
     def __init__(self, timeout_s: float, *, slack_s: float = 0.005, hard_factor: float = 2.0,
@@ -93,7 +93,7 @@ class CallBudget:
         """None if within budget, else what broke it."""
         if self.longest > self.hard_s:
             return f"a call took {self.longest * 1000:.1f} ms (wedged: limit {self.hard_s * 1000:.0f} ms)"
-        if len(self.over) > self.outliers_allowed:
+        if len(self.over) > max(self.outliers_allowed, self.calls // 2000):
             return (f"{len(self.over)} of {self.calls} calls over {self.bound_s * 1000:.0f} ms: "
                     f"{[round(x * 1000, 1) for x in self.over[:5]]} ms")
         return None

@@ -11,6 +11,9 @@ stamp=$venv/.lookout-stamp
 mkdir -p "$tools"
 
 log() { printf '[setup] %s\n' "$*" >&2; }
+# pip's chatter that says nothing here: this machine's extra index folders, and vLLM's full dependency
+# list, which is left out on purpose (ANCHORS §7: the CPU recipe installs only what the scheduler needs).
+quiet_pip() { grep -v -e "^WARNING: Location 'file://" -e "^vllm 0.33.0 requires" -e "dependency resolver does not" >&2 || true; }
 
 need_apt=()
 dpkg -s libibverbs1 >/dev/null 2>&1 || need_apt+=(libibverbs1)
@@ -29,7 +32,8 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 else
   log "venv: $venv"
   python3 -m venv "$venv"
-  pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+  pip_install() { "$venv/bin/python" -m pip install -q --disable-pip-version-check "$@" 2> >(quiet_pip); }
+  pip=(pip_install)
   "${pip[@]}" --upgrade "pip>=24" wheel setuptools
   # Every package at the version this project was tested with (torch is chosen below).
   pip+=(-c "$here/scripts/constraints.txt")

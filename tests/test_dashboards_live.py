@@ -96,7 +96,12 @@ def test_our_metric_names_reach_prometheus_unchanged(stored_names):
 
 def test_variables_resolve_and_chain(stack, stored_names):
     d = _dashboards()[generate.OVERVIEW_JSON]
-    options = variable_options(stack.prometheus, d, all_values(d))
+    deadline = time.monotonic() + DATA_TIMEOUT_S
+    while True:  # every target's first scrape with our series must land (polled, bounded)
+        options = variable_options(stack.prometheus, d, all_values(d))
+        if len(options["instance"]) >= 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert {JOBS["clients"], JOBS["server"]} <= set(options["job"]), options
     assert options["master_job"] == [JOBS["master"]]
     assert len(options["instance"]) >= 3 and len(options["master_instance"]) == 1
