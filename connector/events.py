@@ -144,6 +144,10 @@ class ObserverSet(NullObserver):
                 continue  # not overridden: nothing to call
             self._handlers[name] = (*self._handlers[name], method)
 
+    def listens(self, event: str) -> bool:
+        """True if some observer overrides ``event``."""
+        return bool(self._handlers[event])
+
     def _emit(self, name: str, *args: Any) -> None:
         for handler in self._handlers[name]:
             try:
@@ -204,7 +208,7 @@ class BackgroundObserver(NullObserver):
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         for event in _EVENTS:  # only the events the wrapped observer listens to are queued at all
-            if self._handlers._handlers[event]:
+            if self._handlers.listens(event):
                 setattr(self, event, functools.partial(self._put, event))
 
     def _put(self, event: str, *args: Any) -> None:
