@@ -114,11 +114,9 @@ class Rig:
     ``rpc_timeout_ms`` bounds one store call of the servers' client (Mooncake's ``MC_RPC_TIMEOUT_MS``);
     """
 
-    def __init__(self, *, namespace: str = "bench", rpc_timeout_ms: int | None = 30_000,
-                 server_workers: int = 2) -> None:
+    def __init__(self, *, namespace: str = "bench", rpc_timeout_ms: int | None = 30_000) -> None:
         self.namespace = namespace
         self.rpc_timeout_ms = rpc_timeout_ms
-        self._server_workers = server_workers
         self._stack = ExitStack()
         self.master: Any = None
         self.index: Any = None
@@ -151,7 +149,7 @@ class Rig:
         self.rpc_base_path = stack.enter_context(private_rpc_base_path())
         self.servers = stack.enter_context(ServerProcess(
             self.master.rpc_address, self.namespace, self.rpc_base_path, self.lookup_rpc_port,
-            workers=self._server_workers, rpc_timeout_ms=self.rpc_timeout_ms).start())
+            rpc_timeout_ms=self.rpc_timeout_ms).start())
         store = open_writer_store(self.master.rpc_address)
         stack.callback(store.close)
         self.index = PrefixIndex(store, BLOCK_SIZE, namespace=self.namespace)

@@ -27,9 +27,9 @@ class ServerProcess:
     """Start, address and stop the server child process (context manager)."""
 
     def __init__(self, master_address: str, namespace: str, rpc_base_path: str, lookup_rpc_port: int, *,
-                 workers: int = 2, rpc_timeout_ms: int | None = 30_000, start_timeout_s: float = 120.0) -> None:
+                 rpc_timeout_ms: int | None = 30_000, start_timeout_s: float = 120.0) -> None:
         self.args = [f"--master={master_address}", f"--namespace={namespace}", f"--rpc-base-path={rpc_base_path}",
-                     f"--lookup-rpc-port={lookup_rpc_port}", f"--workers={workers}"]
+                     f"--lookup-rpc-port={lookup_rpc_port}"]
         if rpc_timeout_ms is not None:
             self.args.append(f"--rpc-timeout-ms={rpc_timeout_ms}")
         self.start_timeout_s = start_timeout_s
@@ -94,7 +94,6 @@ def serve(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--namespace", required=True)
     p.add_argument("--rpc-base-path", required=True)
     p.add_argument("--lookup-rpc-port", type=int, required=True)
-    p.add_argument("--workers", type=int, default=2)
     p.add_argument("--rpc-timeout-ms", type=int, default=None)
     args = p.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop (Ctrl-C reaches both)
@@ -111,7 +110,7 @@ def serve(argv: Sequence[str] | None = None) -> int:
         store: Any = open_store(args.master, rpc_timeout_ms=args.rpc_timeout_ms)
         index = PrefixIndex(store, BLOCK_SIZE, namespace=args.namespace)
         upstream = UpstreamLookupServer(index, lookup_vllm_config(args.lookup_rpc_port)).start()
-        ours = LookupServer(index, None, workers=args.workers).start()
+        ours = LookupServer(index, None).start()
     except Exception as exc:  # reported to the parent, which raises it
         print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
         return 1

@@ -30,6 +30,7 @@ class Key:
     doc: str
     check: Callable[[Any], bool] = lambda v: True
     rule: str = ""
+    words: tuple[str, ...] = ()  # strings accepted besides values of ``kind`` (``auto``)
 
 
 KEYS: tuple[Key, ...] = (
@@ -37,22 +38,40 @@ KEYS: tuple[Key, ...] = (
         "upstream's switch: defer with `None` instead of blocking the scheduler"),
     Key("lookup_wait_us", 0, int,
         "in async mode, how long the scheduler may wait for pending answers before deferring, per step "
-        "(shared by all lookup calls of one scheduling step)",
-        lambda v: 0 <= v <= 100_000, "0..100000"),
+        "(shared by all lookup calls of one step); `auto` follows the measured round trip, capped by "
+        "`lookup_wait_auto_share` of the step interval",
+        lambda v: v == "auto" or 0 <= v <= 100_000, "0..100000 or auto", words=("auto",)),
+    Key("lookup_wait_auto_share", 0.25, float,
+        "with `lookup_wait_us: auto`: the largest share of the measured step interval the scheduler may "
+        "wait; past it, it defers at once",
+        lambda v: 0 < v <= 0.9, "> 0 and <= 0.9"),
     Key("lookup_timeout_ms", 100.0, float,
-        "deadline of one lookup (queue + send + receive); then a miss, counted as a timeout",
+        "deadline of one lookup, from when it is sent (time queued in the client is not the server's); "
+        "then a miss, counted as a timeout; also bounds a blocking call",
         lambda v: 0 < v <= 60_000, "> 0 and <= 60000"),
     Key("lookup_max_pending", 1024, int,
-        "lookups in flight or waiting; past it, an immediate miss, counted as rejected",
+        "lookups queued or in flight; past it, an immediate miss counted as rejected (a lookup at "
+        "admission is then not started yet)",
         lambda v: 1 <= v <= 1_000_000, "1..1000000"),
+    Key("lookup_max_held", 16384, int,
+        "answers held for requests not yet allocated; past it the oldest is forgotten (asked again if needed)",
+        lambda v: 1 <= v <= 10_000_000, "1..10000000"),
+    Key("lookup_answer_ttl_ms", 5000.0, float,
+        "a held answer older than this (from when it was sent) is asked again; keep it at most half the "
+        "master's `--default_kv_lease_ttl` (10 s by default), so a served hit is still leased when it loads",
+        lambda v: 0 < v <= 3_600_000, "> 0 and <= 3600000"),
+    Key("lookup_reset_timeout_s", 60.0, float,
+        "how long `reset` (vLLM's `reset_prefix_cache`) waits for the server to wipe the store",
+        lambda v: 0 < v <= 3600, "> 0 and <= 3600"),
     Key("lookup_breaker_failures", 5, int,
         "consecutive failures (timeouts, errors) that open the circuit breaker",
         lambda v: 1 <= v <= 10_000, "1..10000"),
     Key("lookup_breaker_cooldown_s", 5.0, float,
         "how long an open breaker answers misses at once before it lets one probe through",
         lambda v: 0 < v <= 3600, "> 0 and <= 3600"),
-    Key("lookup_transport", "upstream", str,
-        "`upstream` (vLLM's own lookup server, one lookup in flight) or `pipelined` (ours, many in flight)",
+    Key("lookup_transport", "pipelined", str,
+        "`pipelined` (ours: a step's lookups in one frame, answered with one store call; the worker's "
+        "rank 0 serves it) or `upstream` (vLLM's own lookup server, one lookup in flight)",
         lambda v: v in TRANSPORTS, " or ".join(TRANSPORTS)),
     Key("lookup_on_admission", True, bool,
         "start the lookup when the request arrives (`on_new_request`), not at its first scheduling"),
@@ -65,6 +84,8 @@ KEYS_BY_NAME: dict[str, Key] = {k.name: k for k in KEYS}
 
 def _coerce(key: Key, value: Any) -> Any:
     """Accept JSON-ish values (ints for floats, no strings for numbers, real bools only)."""
+    if isinstance(value, str) and value in key.words:
+        return value
     if key.kind is bool:
         if isinstance(value, bool):
             return value
@@ -87,12 +108,16 @@ class LookupConfig:
     """Validated lookup settings; build it with :meth:`from_extra_config`, never by hand in production."""
 
     lookup_async: bool = False
-    lookup_wait_us: int = 0
+    lookup_wait_us: int | str = 0
+    lookup_wait_auto_share: float = 0.25
     lookup_timeout_ms: float = 100.0
     lookup_max_pending: int = 1024
+    lookup_max_held: int = 16384
+    lookup_answer_ttl_ms: float = 5000.0
+    lookup_reset_timeout_s: float = 60.0
     lookup_breaker_failures: int = 5
     lookup_breaker_cooldown_s: float = 5.0
-    lookup_transport: str = "upstream"
+    lookup_transport: str = "pipelined"
     lookup_on_admission: bool = True
     lookup_server_address: str = ""
 
@@ -111,16 +136,21 @@ class LookupConfig:
         return self.lookup_timeout_ms / 1000.0
 
     @property
-    def wait_s(self) -> float:
-        """The async wait budget, in seconds."""
-        return self.lookup_wait_us / 1e6
+    def wait_s(self) -> float | None:
+        """The async wait budget per step, in seconds; ``None`` for ``auto``."""
+        return None if self.lookup_wait_us == "auto" else self.lookup_wait_us / 1e6  # type: ignore[operator]
+
+    @property
+    def answer_ttl_s(self) -> float:
+        """How long a held answer may be served, in seconds."""
+        return self.lookup_answer_ttl_ms / 1000.0
 
     @property
     def mode(self) -> str:
-        """``sync``, ``async`` or ``budget`` (async with a wait budget): the ``mode`` label of metrics."""
+        """``sync``, ``async`` or ``budget`` (async with a wait budget, fixed or auto): the ``mode`` label."""
         if not self.lookup_async:
             return "sync"
-        return "budget" if self.lookup_wait_us > 0 else "async"
+        return "budget" if self.lookup_wait_us == "auto" or self.lookup_wait_us else "async"
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "LookupConfig":

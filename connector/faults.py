@@ -47,10 +47,11 @@ class InjectedDelayBackend:
     through. ``enabled`` switches the delay at run time (the child process flips it on SIGUSR1/SIGUSR2).
     """
 
-    def __init__(self, backend: Any, delay_s: float, enabled: bool = True) -> None:
+    def __init__(self, backend: Any, delay_s: float, enabled: bool = True, reset_delay_s: float = 0.0) -> None:
         self.backend = backend
         self.delay_s = delay_s
         self.enabled = enabled
+        self.reset_delay_s = reset_delay_s  # a slow wipe (upstream's server first drains in-flight puts)
         self.delayed_calls = 0
 
     def _delay(self) -> None:
@@ -69,8 +70,18 @@ class InjectedDelayBackend:
         return self.backend.lookup_many(queries)
 
     def reset(self) -> Any:
-        """Wipe the real store (no delay: a reset is not a lookup)."""
+        """Wipe the real store (our server's path), after the injected reset delay (if any)."""
+        self._reset_delay()
         return self.backend.reset()
+
+    def remove_all(self, force: bool = True) -> Any:
+        """Wipe the real store (vLLM's server's path: ``store.remove_all``), after the injected reset delay."""
+        self._reset_delay()
+        return self.backend.remove_all(force)
+
+    def _reset_delay(self) -> None:
+        if self.reset_delay_s > 0:
+            time.sleep(self.reset_delay_s)  # the injected fault itself: a wipe that takes this long
 
     def __getattr__(self, name: str) -> Any:  # remove_all, key, namespace, ... of the real backend
         return getattr(self.backend, name)
@@ -164,8 +175,9 @@ class ServerProcess:
 
     def __init__(self, transport: str, master: str, *, namespace: str, address: str | None = None,
                  rpc_port: int = 0, rpc_base_path: str | None = None, block_size: int = 16,
-                 delay_ms: float = 0.0, delay_on: bool = False, store_rpc_timeout_ms: int = 1000,
-                 workers: int = 2, start_timeout_s: float = 90.0, standby: bool = True) -> None:
+                 delay_ms: float = 0.0, delay_on: bool = False, reset_delay_ms: float = 0.0,
+                 store_rpc_timeout_ms: int = 1000,
+                 start_timeout_s: float = 90.0, standby: bool = True) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.transport = transport
@@ -176,8 +188,8 @@ class ServerProcess:
         self.block_size = block_size
         self.delay_ms = delay_ms
         self.delay_on = delay_on
+        self.reset_delay_ms = reset_delay_ms
         self.store_rpc_timeout_ms = store_rpc_timeout_ms
-        self.workers = workers
         self.start_timeout_s = start_timeout_s
         self.use_standby = standby
         self.starts = 0
@@ -215,8 +227,8 @@ class ServerProcess:
     def _argv(self, standby: bool) -> list[str]:
         argv = [sys.executable, "-m", "mooncake_lookout.connector.faults", "--transport", self.transport,
                 "--master", self.master, "--namespace", self.namespace, "--block-size", str(self.block_size),
-                "--delay-ms", str(self.delay_ms), "--store-rpc-timeout-ms", str(self.store_rpc_timeout_ms),
-                "--workers", str(self.workers)]
+                "--delay-ms", str(self.delay_ms), "--reset-delay-ms", str(self.reset_delay_ms),
+                "--store-rpc-timeout-ms", str(self.store_rpc_timeout_ms)]
         if self.delay_on:
             argv.append("--delay-on")
         if standby:
@@ -331,8 +343,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--rpc-port", type=int, default=0, help="upstream: vLLM's lookup_rpc_port")
     p.add_argument("--delay-ms", type=float, default=0.0, help="INJECTED store delay, in milliseconds")
     p.add_argument("--delay-on", action="store_true", help="inject the delay from the start")
+    p.add_argument("--reset-delay-ms", type=float, default=0.0, help="INJECTED delay before each reset")
     p.add_argument("--store-rpc-timeout-ms", type=int, default=1000)
-    p.add_argument("--workers", type=int, default=2)
     p.add_argument("--wait-go", action="store_true",
                    help="standby: import everything, print 'ready', then wait for a line on stdin before serving")
     return p.parse_args(argv)
@@ -357,7 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     store = open_store(args.master, rpc_timeout_ms=args.store_rpc_timeout_ms)
     backend = InjectedDelayBackend(PrefixIndex(store, args.block_size, args.namespace), args.delay_ms / 1000.0,
-                                   enabled=args.delay_on)
+                                   enabled=args.delay_on, reset_delay_s=args.reset_delay_ms / 1000.0)
 
     def switch(on: bool) -> None:
         backend.enabled = on
@@ -366,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(DELAY_ON_SIGNAL, lambda *_: switch(True))
     signal.signal(DELAY_OFF_SIGNAL, lambda *_: switch(False))
     if args.transport == "pipelined":
-        server: Any = LookupServer(backend, args.address or None, workers=args.workers).start()
+        server: Any = LookupServer(backend, args.address or None).start()
         address = server.address
     else:
         server = UpstreamLookupServer(backend, lookup_vllm_config(args.rpc_port)).start()  # type: ignore[arg-type]

@@ -348,8 +348,10 @@ def run_soak(lookups: int = 100_000, *, transport: str = "pipelined", seed: int 
             if fault == "master_kill" and kills_left <= 0:
                 fault = "master_pause"
             submitted: dict[str, float] = {}
+            records: dict[str, Any] = {}
             for rid, req in zip(ids, batch):
-                submitted[rid] = client.start(rid, req.num_tokens, req.block_hashes).rec.t_submit
+                records[rid] = client.start(rid, req.num_tokens, req.block_hashes).rec
+                submitted[rid] = records[rid].t_submit
             cleanup: Callable[[], None] | None = None
             inject_s = 0.0
             if fault is not None:
@@ -377,7 +379,10 @@ def run_soak(lookups: int = 100_000, *, transport: str = "pipelined", seed: int 
                         blocking_calls.append(t1 - t0)
                     if t1 - t0 > timeout_ms / 1000 + 0.005:
                         rig.violations.slow_calls.append(t1 - t0)
-                    deadline = submitted[rid] + timeout_ms / 1000
+                    # The deadline runs from when the lookup was sent (time queued in the client is not the
+                    # server's); one still queued ends with the lookup ahead of it.
+                    rec = records[rid]
+                    deadline = (rec.t_start if rec.t_start is not None else rec.t_submit) + timeout_ms / 1000
                     if result is None:
                         if t0 > deadline:  # the scheduler was told "ask again" after the deadline
                             rig.violations.late_answers.append(t0 - deadline)
