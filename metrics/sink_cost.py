@@ -3,7 +3,7 @@
 One lifecycle is what the client emits for a lookup that defers once: ``submitted``, ``started``,
 ``answered``, ``deferred``, ``consumed`` and one ``scheduler_call``, through an :class:`ObserverSet`
 (as the client fans out). Every configuration runs the same loop, so the differences are the
-sinks' own cost. Run: ``python -m mooncake_lookout.metrics.overhead_bench [--lifecycles N] [--json]``.
+sinks' own cost. Run: ``python -m mooncake_lookout.metrics.sink_cost [--lifecycles N] [--json]``.
 
 Tracing "off" means the observer is not attached (``OTEL_TRACES_EXPORTER`` unset), i.e. the ``none``
 row; ``tracing_unsampled`` is tracing on with a sampler that drops the lookup; ``tracing_sampled``
@@ -16,7 +16,7 @@ import argparse
 import json
 import statistics
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult

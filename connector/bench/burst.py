@@ -1,19 +1,29 @@
-"""Burst benchmark: how long a scheduler waits for the answers to N requests that arrive together.
+"""Bench scenario (b): a burst of N new requests, time until every answer is ready.
 
 Why: vLLM's lookup channel carries one lookup at a time, so a burst of N new requests needs about N round
 trips before the last answer, while one ``batch_is_exist`` of all their keys takes a few milliseconds.
-This measures the scheduler's view: every request is asked once (``non_block=True``) in the first step,
-then each pending one is asked again once per ``step_s`` until all have an answer. Any client with vLLM's
-``lookup(req_id, num_tokens, block_hashes, non_block)`` call fits (ours, or vLLM's ``LookupKeyClient``).
+:func:`burst` measures the scheduler's view: every request is asked once (``non_block=True``) in the
+first step, then each pending one is asked again once per ``step_s`` until all have an answer. Any client
+with vLLM's ``lookup(req_id, num_tokens, block_hashes, non_block)`` call fits (ours, or vLLM's
+``LookupKeyClient``).
+
+:func:`run` does it for upstream's client and ours with each transport, the same requests, the same
+server process and store. Our client gets a deadline long enough that no answer in the burst is a timeout
+(checked: the hit tokens of every client must agree). Ours runs with metrics and spans on; one more row
+without spans shows what the span started on each submit costs a burst.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
-from mooncake_lookout.connector.workload import WorkloadRequest, shared_prefix_workload
+from mooncake_lookout.connector.bench.call import CLIENTS, NO_SPANS, make_client
+from mooncake_lookout.connector.bench.rig import Rig
+from mooncake_lookout.connector.rigs.workload import WorkloadRequest, shared_prefix_workload
 
 
 class PollingClient(Protocol):
@@ -64,4 +74,38 @@ def burst(client_factory: Callable[[], PollingClient], n: int = 256, step_s: flo
         client.close()
 
 
-__all__ = ["BurstResult", "PollingClient", "burst"]
+class _Closing:
+    """Gives a client the ``close`` that :func:`burst` calls, with a safe close for upstream's."""
+
+    def __init__(self, client: Any, close: Any) -> None:
+        self.client, self._close = client, close
+
+    def lookup(self, *args: Any, **kwargs: Any) -> Any:
+        return self.client.lookup(*args, **kwargs)
+
+    def close(self) -> None:
+        self._close()
+
+
+def run(rig: Rig, requests: Sequence[WorkloadRequest], *, repeats: int = 3, step_s: float = 0.001) -> dict[str, Any]:
+    """Scenario (b): per client, the median of ``repeats`` bursts (seconds, steps, hit tokens)."""
+    n = len(requests)
+    out: dict[str, Any] = {"n": n}
+    # The last row is a diagnosis, not a target: ours pipelined with metrics but no spans.
+    for name in (*CLIENTS, NO_SPANS):
+        runs = []
+        for i in range(repeats):
+            tagged = [type(r)(f"b{i}-{r.req_id}", r.num_tokens, r.block_hashes) for r in requests]
+
+            def factory(name: str = name) -> _Closing:
+                spans = name != NO_SPANS
+                return _Closing(*make_client(rig, name if spans else "ours/pipelined", spans=spans,
+                                             timeout_ms=30_000.0, max_pending=max(1024, 2 * n)))
+
+            runs.append(burst(factory, n, step_s, requests=tagged, timeout_s=60.0))
+        out[name] = {"seconds": statistics.median(r.seconds for r in runs), "all_seconds": [r.seconds for r in runs],
+                     "steps": statistics.median(r.steps for r in runs), "hit_tokens": runs[0].hit_tokens}
+    return out
+
+
+__all__ = ["BurstResult", "PollingClient", "burst", "run"]

@@ -13,13 +13,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mooncake_lookout.connector.bench_rig import (
-    Rig,
-    close_upstream_client,
-    observers_with_telemetry,
-    summary_us,
-)
-from mooncake_lookout.connector.workload import WorkloadRequest
+from mooncake_lookout.connector.bench.rig import Rig, close_upstream_client, summary_us
+from mooncake_lookout.connector.rigs.workload import WorkloadRequest
+from mooncake_lookout.metrics.in_memory import observers_with_telemetry
 
 CLIENTS = ("upstream", "ours/upstream-wire", "ours/pipelined")
 NO_SPANS = "ours/pipelined, no spans"

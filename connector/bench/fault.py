@@ -14,14 +14,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from mooncake_lookout.connector.bench_call import (
+from mooncake_lookout.connector.bench.call import (
     CLIENTS,
     make_client,
     time_async,
     time_sync,
 )
-from mooncake_lookout.connector.bench_rig import Rig, summary_us
-from mooncake_lookout.connector.workload import WorkloadRequest
+from mooncake_lookout.connector.bench.rig import Rig, summary_us
+from mooncake_lookout.connector.rigs.workload import WorkloadRequest
 
 TIMEOUT_MS = 100.0
 

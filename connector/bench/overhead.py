@@ -12,9 +12,9 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from mooncake_lookout.connector.bench_call import make_client, time_sync
-from mooncake_lookout.connector.bench_rig import Rig, summary_us
-from mooncake_lookout.connector.workload import WorkloadRequest
+from mooncake_lookout.connector.bench.call import make_client, time_sync
+from mooncake_lookout.connector.bench.rig import Rig, summary_us
+from mooncake_lookout.connector.rigs.workload import WorkloadRequest
 
 VARIANTS = {"off": dict(telemetry=False), "metrics": dict(spans=False), "spans": dict(metrics=False),
             "on": dict()}

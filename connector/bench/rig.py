@@ -5,11 +5,12 @@ master, the same keys and the same kind of server. :class:`Rig` starts them once
 
 * a real ``mooncake_master`` on 127.0.0.1 (:class:`EmbeddedMaster`, stopped by pid on exit);
 * a writer store client and a :class:`PrefixIndex` over it (to fill the store);
-* a separate *server process*, as in vLLM where the lookup server lives in the worker, not in the
-  scheduler's process (in-process server threads would fight the scheduler for the GIL and skew every
-  latency): it runs vLLM's own ``LookupKeyServer`` (upstream wire, IPC path derived from a real
-  ``VllmConfig``) and our :class:`LookupServer` (pipelined and upstream wire), both over a
-  :class:`PrefixIndex` on its own store client.
+* a separate *server process* (:class:`~mooncake_lookout.connector.rigs.server_process.ServerProcess`), as
+  in vLLM where the lookup server lives in the worker, not in the scheduler's process (in-process server
+  threads would fight the scheduler for the GIL and skew every latency): it runs vLLM's own
+  ``LookupKeyServer`` (upstream wire, IPC path derived from a real ``VllmConfig``) and our
+  :class:`LookupServer` (pipelined and upstream wire), both over a :class:`PrefixIndex` on its own store
+  client.
 
 Clients are built on demand: vLLM's ``LookupKeyClient``, or our :class:`LookupClient` with either
 transport. :func:`token_prompts` gives token prompts with shared prefixes for vLLM's real scheduler.
@@ -26,6 +27,7 @@ from typing import Any
 
 from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.events import LookupObserver, ObserverSet
+from mooncake_lookout.connector.transport.names import PIPELINED, UPSTREAM
 
 BLOCK_SIZE = 16
 _ports = itertools.count(7000 + os.getpid() % 1000 * 10)
@@ -58,36 +60,6 @@ def token_prompts(n: int, *, prefix_blocks: int = 4, unique_blocks: int = 4, num
     prefixes = [tokens(1, p, prefix_blocks * BLOCK_SIZE) for p in range(num_prefixes)]
     return [(f"r{seed}-{i}", prefixes[i % num_prefixes] + tokens(2, i, unique_blocks * BLOCK_SIZE + extra_tokens))
             for i in range(n)]
-
-
-def observers_with_telemetry(registry: Any = None, *, metrics: bool = True,
-                             spans: bool = True) -> tuple[list[LookupObserver], Any]:
-    """A Prometheus sink (fresh registry unless given) and an OTel tracing observer exporting to memory.
-
-    Each runs behind a :class:`BackgroundObserver`, as in production: the scheduler's thread only enqueues.
-    Returns the observers and the span exporter (so callers can count spans). The tracer provider is
-    private: it never replaces a global one. ``metrics`` / ``spans`` pick the parts.
-    """
-    from mooncake_lookout.connector.events import BackgroundObserver
-    from mooncake_lookout.metrics.prometheus_sink import PrometheusSink
-    from mooncake_lookout.metrics.tracing import TracingObserver
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
-        InMemorySpanExporter,
-    )
-    from prometheus_client import CollectorRegistry
-
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(BatchSpanProcessor(exporter))
-    observers: list[LookupObserver] = []
-    if metrics:
-        observers.append(BackgroundObserver(
-            PrometheusSink(registry=registry if registry is not None else CollectorRegistry())))
-    if spans:
-        observers.append(BackgroundObserver(TracingObserver(provider.get_tracer("mooncake_lookout.bench"), provider)))
-    return observers, exporter
 
 
 def close_upstream_client(client: Any, timeout_s: float = 5.0) -> bool:
@@ -135,23 +107,20 @@ class Rig:
         return self
 
     def _start(self) -> None:
-        from mooncake_lookout.connector.bench_servers import ServerProcess
-        from mooncake_lookout.connector.mooncake_master import (
-            EmbeddedMaster,
-            open_writer_store,
-        )
-        from mooncake_lookout.connector.prefix_index import PrefixIndex
-        from mooncake_lookout.connector.upstream_server import (
-            lookup_vllm_config,
-            private_rpc_base_path,
-        )
+        from mooncake_lookout.connector.rigs.master import EmbeddedMaster
+        from mooncake_lookout.connector.rigs.rpc_base_path import private_rpc_base_path
+        from mooncake_lookout.connector.rigs.server_process import ServerProcess
+        from mooncake_lookout.connector.rigs.vllm_lookup_server import lookup_vllm_config
+        from mooncake_lookout.connector.server.prefix_index import PrefixIndex
+        from mooncake_lookout.connector.server.store import open_writer_store
 
         stack = self._stack
         self.master = stack.enter_context(EmbeddedMaster())
         self.rpc_base_path = stack.enter_context(private_rpc_base_path())
         self.servers = stack.enter_context(ServerProcess(
-            self.master.rpc_address, self.namespace, self.rpc_base_path, self.lookup_rpc_port,
-            workers=self._server_workers, rpc_timeout_ms=self.rpc_timeout_ms).start())
+            (UPSTREAM, PIPELINED), self.master.rpc_address, namespace=self.namespace, block_size=BLOCK_SIZE,
+            rpc_port=self.lookup_rpc_port, rpc_base_path=self.rpc_base_path, workers=self._server_workers,
+            store_rpc_timeout_ms=self.rpc_timeout_ms, start_timeout_s=120.0, standby=False))
         store = open_writer_store(self.master.rpc_address)
         stack.callback(store.close)
         self.index = PrefixIndex(store, BLOCK_SIZE, namespace=self.namespace)
@@ -173,19 +142,19 @@ class Rig:
     def our_client(self, transport: str, observers: Iterable[LookupObserver] = (), **config: Any) -> Any:
         """Our ``LookupClient`` over ``transport`` with ``config`` keys (``lookup_`` prefix optional)."""
         from mooncake_lookout.connector.client import LookupClient
-        from mooncake_lookout.connector.transports import make_transport
+        from mooncake_lookout.connector.transport import make_transport
 
         keys = {(k if k.startswith("lookup_") else "lookup_" + k): v for k, v in config.items()}
         cfg = LookupConfig(lookup_transport=transport, **keys)
         return LookupClient(cfg, make_transport(cfg, self.address(transport)), observer=ObserverSet(list(observers)))
 
-    def scheduler_extra(self, ours: bool, transport: str = "pipelined", **config: Any) -> dict[str, Any]:
+    def scheduler_extra(self, ours: bool, transport: str = PIPELINED, **config: Any) -> dict[str, Any]:
         """``kv_connector_extra_config`` for a scheduler wired to this rig's servers."""
         extra: dict[str, Any] = {"lookup_rpc_port": self.lookup_rpc_port, "load_async": False}
         if ours:
             extra["lookup_transport"] = transport
-            if transport == "pipelined":
-                extra["lookup_server_address"] = self.servers.addresses["pipelined"]
+            if transport == PIPELINED:
+                extra["lookup_server_address"] = self.servers.addresses[PIPELINED]
         extra.update(config)
         return extra
 
@@ -200,4 +169,4 @@ class Rig:
         self.close()
 
 
-__all__ = ["BLOCK_SIZE", "Rig", "close_upstream_client", "observers_with_telemetry", "quantile", "summary_us", "token_prompts"]
+__all__ = ["BLOCK_SIZE", "Rig", "close_upstream_client", "quantile", "summary_us", "token_prompts"]

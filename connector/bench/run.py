@@ -1,8 +1,8 @@
 """``mooncake-lookout bench``: upstream's lookup path vs ours, in one process, against one real master.
 
-Scenarios (one module each): (a) ``bench_call`` scheduler-path cost of one call; (b) ``bench_burst``
-a burst of new requests; (c) ``bench_sched`` vLLM's real scheduler per lookup mode; (d)
-``bench_overhead`` metrics and spans on vs off; (e) ``bench_fault`` the store slowed or stopped.
+Scenarios (one module each in this package): (a) :mod:`.call` scheduler-path cost of one call; (b)
+:mod:`.burst` a burst of new requests; (c) :mod:`.sched` vLLM's real scheduler per lookup mode; (d)
+:mod:`.overhead` metrics and spans on vs off; (e) :mod:`.fault` the store slowed or stopped.
 Writes ``bench.json`` (machines), ``bench.txt`` (the table printed) and PNG figures to ``--out``.
 Each target's ratio (ours / upstream) is printed beside the absolute figures, with "met" or "MISSED".
 """
@@ -18,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mooncake_lookout.connector.workload import shared_prefix_workload
+from mooncake_lookout.connector.rigs.workload import shared_prefix_workload
+from mooncake_lookout.connector.transport.names import UPSTREAM
 
 BUDGET_US = 200
 
@@ -42,29 +43,23 @@ FULL = Sizes(500, 256, 5, 400, 24, 100, 5.0, (BUDGET_US, 500, 1000))
 
 
 def _modes(sizes: Sizes) -> list[Any]:
-    from mooncake_lookout.connector.bench_sched import mode
+    from mooncake_lookout.connector.bench.sched import mode
 
     modes = [mode("upstream sync", False, lookup_async=False),
              mode("upstream async", False, lookup_async=True),
              mode("ours sync", True, lookup_async=False),
              mode("ours async", True, lookup_async=True)]
     modes += [mode(f"ours budget {b}us", True, lookup_async=True, lookup_wait_us=b) for b in sizes.budgets_us]
-    modes.append(mode(f"ours budget {BUDGET_US}us upstream-wire", True, "upstream", lookup_async=True,
+    modes.append(mode(f"ours budget {BUDGET_US}us upstream-wire", True, UPSTREAM, lookup_async=True,
                       lookup_wait_us=BUDGET_US))
     return modes
 
 
 def run_bench(out_dir: str, *, quick: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run every scenario, write the outputs, return the results (as written to ``bench.json``)."""
-    from mooncake_lookout.connector import (
-        bench_burst,
-        bench_call,
-        bench_fault,
-        bench_overhead,
-        bench_sched,
-    )
-    from mooncake_lookout.connector.bench_rig import Rig
-    from mooncake_lookout.connector.plots import write_all
+    from mooncake_lookout.connector.bench import burst, call, fault, overhead, sched
+    from mooncake_lookout.connector.bench.plots import write_all
+    from mooncake_lookout.connector.bench.rig import Rig
 
     sizes = QUICK if quick else FULL
     t_start = time.perf_counter()
@@ -77,20 +72,20 @@ def run_bench(out_dir: str, *, quick: bool = False, log: Callable[[str], None] =
                                   for i, r in enumerate(call_reqs + burst_reqs)])
         results["rig_start_s"] = time.perf_counter() - t_start
         log("(a) scheduler-path cost of one call ...")
-        a = bench_call.run(rig, call_reqs)
+        a = call.run(rig, call_reqs)
         raw_latency = a.pop("raw")
         results["a"] = a
         log(f"(b) burst of {sizes.burst_n} ...")
-        results["b"] = bench_burst.run(rig, burst_reqs, repeats=sizes.burst_repeats)
+        results["b"] = burst.run(rig, burst_reqs, repeats=sizes.burst_repeats)
         log("(c) vLLM's scheduler per lookup mode ...")
-        workload = bench_sched.Workload()
+        workload = sched.Workload()
         results["c"] = {"steps": sizes.sched_steps, "arrivals_per_step": 4, "model_step_ms": 1.5,
-                        "modes": [bench_sched.run_mode(rig, workload, m, steps=sizes.sched_steps).as_dict()
+                        "modes": [sched.run_mode(rig, workload, m, steps=sizes.sched_steps).as_dict()
                                   for m in _modes(sizes)]}
         log("(d) instrumentation on vs off ...")
-        results["d"] = bench_overhead.run(rig, call_reqs, rounds=sizes.overhead_rounds)
+        results["d"] = overhead.run(rig, call_reqs, rounds=sizes.overhead_rounds)
         log("(e) store slowed, then stopped ...")
-        results["e"] = bench_fault.run(rig, call_reqs[:sizes.fault_requests], wait_s=sizes.fault_wait_s)
+        results["e"] = fault.run(rig, call_reqs[:sizes.fault_requests], wait_s=sizes.fault_wait_s)
     results["machine"]["loadavg_at_end"] = list(os.getloadavg())
     results["targets"] = targets(results)
     results["seconds"] = time.perf_counter() - t_start
@@ -160,7 +155,8 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     out.append({"id": "e", "what": "store stopped: longest blocking call, ours (deadline 100 ms) / upstream",
                 "ours": ours_block * 1e3, "upstream": up_block * 1e3, "unit": "ms", "ratio": ours_block / up_block,
                 "bound": "ours <= deadline (+5%), upstream blocks",
-                "met": ours_block <= deadline_s * 1.05 and (up.get("blocked_s") is None or up["blocked_s"] > deadline_s)})
+                "met": ours_block <= deadline_s * 1.05
+                and (up.get("blocked_s") is None or up["blocked_s"] > deadline_s)})
     return out
 
 

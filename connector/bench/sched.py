@@ -17,17 +17,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mooncake_lookout.connector.bench_rig import (
-    Rig,
-    close_upstream_client,
-    summary_us,
-    token_prompts,
-)
-from mooncake_lookout.connector.events import (
-    LookupObserver,
-    LookupRecord,
-    OutcomeCounter,
-)
+from mooncake_lookout.connector.bench.rig import Rig, close_upstream_client, summary_us, token_prompts
+from mooncake_lookout.connector.events import LookupObserver, LookupRecord, OutcomeCounter
+from mooncake_lookout.connector.transport.names import PIPELINED
 
 
 @dataclass(frozen=True)
@@ -36,7 +28,7 @@ class Mode:
 
     label: str
     ours: bool
-    transport: str = "pipelined"
+    transport: str = PIPELINED
     config: tuple[tuple[str, Any], ...] = ()
 
     @property
@@ -45,7 +37,7 @@ class Mode:
         return dict(self.config)
 
 
-def mode(label: str, ours: bool, transport: str = "pipelined", **config: Any) -> Mode:
+def mode(label: str, ours: bool, transport: str = PIPELINED, **config: Any) -> Mode:
     """Shorthand for :class:`Mode` with ``lookup_*`` keyword settings."""
     return Mode(label, ours, transport, tuple(sorted(config.items())))
 
@@ -177,7 +169,7 @@ def run_mode(rig: Rig, workload: Workload, m: Mode, *, arrivals_per_step: int = 
     ``first_request`` offsets into the workload, so runs can use fresh request ids. ``observers`` are
     attached to our client (ignored for upstream's). ``on_step`` is called after each step (progress).
     """
-    from mooncake_lookout.connector.scheduler_driver import (
+    from mooncake_lookout.connector.rigs.scheduler_driver import (
         SchedulerDriver,
         make_vllm_config,
     )

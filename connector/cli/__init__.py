@@ -1,7 +1,9 @@
-"""The ``mooncake-lookout`` command: ``demo``, ``bench``, ``serve`` and ``doctor``.
+"""The ``mooncake-lookout`` command: ``demo``, ``bench``, ``serve`` and ``doctor``; and the doc generator.
 
-Each subcommand lives in its own module; this one only wires them into one ``argparse`` parser. Heavy
-imports (vLLM, Mooncake) happen inside the subcommands, so ``--help`` answers at once.
+Each subcommand lives in its own module (:mod:`.demo`, :mod:`.bench`, :mod:`.serve`, :mod:`.doctor`); this
+one only wires them into one ``argparse`` parser. Heavy imports (vLLM, Mooncake) happen inside the
+subcommands, so ``--help`` answers at once. :mod:`.docs` regenerates (or ``--check``s) every generated
+block of the documentation.
 """
 
 from __future__ import annotations
@@ -9,32 +11,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import Any
 
-from mooncake_lookout.connector.demo import add_demo_parser
-from mooncake_lookout.connector.doctor import add_doctor_parser
-from mooncake_lookout.connector.serve_cli import add_serve_parser
-
-
-def run_bench_command(args: argparse.Namespace) -> int:
-    """``bench``: run the scenarios, write JSON, table and plots to ``--out``."""
-    from mooncake_lookout.connector.bench import run_bench
-
-    results = run_bench(args.out, quick=args.quick)
-    print(f"wrote {args.out}/bench.json, {args.out}/bench.txt and {len(results['plots'])} plots "
-          f"in {results['seconds']:.0f} s")
-    return 0
-
-
-def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the ``bench`` subcommand; returns its parser."""
-    p = subparsers.add_parser("bench", help="upstream's lookup path vs ours: numbers, JSON and plots",
-                              description="Scenarios (a)-(e) in one process against one real Mooncake master; "
-                                          "see docs/tuning.md for how to read them.")
-    p.add_argument("--quick", action="store_true", help="smaller runs (well under 2 minutes)")
-    p.add_argument("--out", default="out", help="folder for bench.json, bench.txt and *.png (default out)")
-    p.set_defaults(func=run_bench_command)
-    return p
+from mooncake_lookout.connector.cli.bench import add_bench_parser
+from mooncake_lookout.connector.cli.demo import add_demo_parser
+from mooncake_lookout.connector.cli.doctor import add_doctor_parser
+from mooncake_lookout.connector.cli.serve import add_serve_parser
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -94,7 +94,7 @@ class Progress:
 
 def demo_modes(budget_us: int) -> list[Any]:
     """The three modes the demo compares, all with our client and the pipelined transport."""
-    from mooncake_lookout.connector.bench_sched import mode
+    from mooncake_lookout.connector.bench.sched import mode
 
     return [mode("sync", True, lookup_async=False),
             mode("async", True, lookup_async=True),
@@ -146,20 +146,19 @@ def run_demo(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, stop: threading.Event, out: TextIO) -> int:
-    from mooncake_lookout.connector.bench_rig import Rig
-    from mooncake_lookout.connector.bench_sched import Workload, run_mode
+    from mooncake_lookout.connector.bench.rig import Rig
+    from mooncake_lookout.connector.bench.sched import Workload, run_mode
     from mooncake_lookout.connector.config import LookupConfig
     from mooncake_lookout.connector.events import BackgroundObserver
-    from mooncake_lookout.connector.mooncake_master import MasterError
-    from mooncake_lookout.metrics.exporter import serve_metrics
+    from mooncake_lookout.connector.rigs.master import MasterError
+    from mooncake_lookout.metrics.exporter import new_registry, serve_metrics
     from mooncake_lookout.metrics.prometheus_sink import PrometheusSink
-    from prometheus_client import CollectorRegistry
 
     def say(text: str) -> None:
         out.write(text + "\n")
         out.flush()
 
-    registry = CollectorRegistry()
+    registry = new_registry()
     sink = PrometheusSink(registry=registry)
     telemetry = BackgroundObserver(sink)  # the scheduler's thread only enqueues
     try:

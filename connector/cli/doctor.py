@@ -23,7 +23,8 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from mooncake_lookout.connector.config import TRANSPORTS, ConfigError, LookupConfig
+from mooncake_lookout.connector.config import ConfigError, LookupConfig
+from mooncake_lookout.connector.transport.names import TRANSPORTS, UPSTREAM
 
 MASTER_SERIES = ("master_key_count", "master_active_clients", "master_batch_exist_key_requests_total",
                  "master_batch_exist_key_failures_total")
@@ -65,8 +66,8 @@ def probe_server(address: str, wire: str, *, samples: int = 20, timeout_ms: floa
     """``samples`` blocking lookups of a cold prefix over ``wire``; latency, or why there was no answer."""
     from mooncake_lookout.connector.client import LookupClient
     from mooncake_lookout.connector.events import Outcome, OutcomeCounter
-    from mooncake_lookout.connector.transports import make_transport
-    from mooncake_lookout.connector.workload import unique_hashes
+    from mooncake_lookout.connector.rigs.workload import unique_hashes
+    from mooncake_lookout.connector.transport import make_transport
 
     config = LookupConfig(lookup_transport=wire, lookup_timeout_ms=timeout_ms, lookup_breaker_failures=10_000)
     counter = OutcomeCounter()
@@ -98,7 +99,7 @@ def probe_server(address: str, wire: str, *, samples: int = 20, timeout_ms: floa
     if errors:
         return Finding(check, False, f"the server answered with errors ({errors[0].error}): its Mooncake store "
                                      "fails; check the master (--master-metrics) and the server's log")
-    hint = ("nothing answers there: is the lookup server running and is the address right?" if wire == "upstream"
+    hint = ("nothing answers there: is the lookup server running and is the address right?" if wire == UPSTREAM
             else "no pipelined answer: vLLM's own LookupKeyServer speaks only the upstream wire (then use "
                  "lookup_transport=upstream), or nothing listens there")
     return Finding(check, False, f"no answer within {timeout_ms:g} ms at {address}; {hint}")
@@ -106,7 +107,7 @@ def probe_server(address: str, wire: str, *, samples: int = 20, timeout_ms: floa
 
 def check_master(url: str, timeout_s: float = 2.0) -> list[Finding]:
     """The master's ``/health`` and the figures of its ``/metrics`` (``url``: ``http://HOST:PORT``)."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from mooncake_lookout.metrics.exporter import sum_samples
 
     base = url.rstrip("/")
     out = []
@@ -119,11 +120,7 @@ def check_master(url: str, timeout_s: float = 2.0) -> list[Finding]:
     try:
         with urllib.request.urlopen(base + "/metrics", timeout=timeout_s) as resp:
             text = resp.read().decode("utf-8", "replace")
-        values: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name in MASTER_SERIES:
-                    values[sample.name] = values.get(sample.name, 0.0) + sample.value
+        values = sum_samples(text, MASTER_SERIES)
     except (urllib.error.URLError, OSError, ValueError) as exc:
         return out + [Finding("master /metrics", False, f"cannot read or parse {base}/metrics: {exc}")]
     shown = ", ".join(f"{k.removeprefix('master_')}={v:g}" for k, v in values.items()) or "no master_* series"

@@ -14,11 +14,10 @@ import logging
 import signal
 import sys
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from prometheus_client import CollectorRegistry
-
-from mooncake_lookout.connector.server import ServerObserver
+from mooncake_lookout.connector.server.observer import ServerObserver
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +56,10 @@ def _server_observers(args: argparse.Namespace, stack: contextlib.ExitStack) -> 
     """The server's Prometheus figures and their ``/metrics`` endpoint when ``--metrics-port`` is set."""
     if args.metrics_port is None:
         return []
-    from mooncake_lookout.metrics.exporter import MetricsEndpoint
+    from mooncake_lookout.metrics.exporter import MetricsEndpoint, new_registry
     from mooncake_lookout.metrics.server_sink import ServerMetrics
 
-    registry = CollectorRegistry()
+    registry = new_registry()
     observer = ServerMetrics(registry)
     endpoint = stack.enter_context(MetricsEndpoint(args.metrics_port, args.metrics_host, registry))
     print(f"metrics on {endpoint.url}", flush=True)
@@ -70,9 +69,10 @@ def _server_observers(args: argparse.Namespace, stack: contextlib.ExitStack) -> 
 def run_serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM / SIGINT; returns the process exit code."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from mooncake_lookout.connector.mooncake_master import EmbeddedMaster, MasterError, open_store
-    from mooncake_lookout.connector.prefix_index import PrefixIndex
+    from mooncake_lookout.connector.rigs.master import EmbeddedMaster, MasterError
     from mooncake_lookout.connector.server import LookupServer
+    from mooncake_lookout.connector.server.prefix_index import PrefixIndex
+    from mooncake_lookout.connector.server.store import open_store
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -99,7 +99,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m mooncake_lookout.connector.serve_cli ...``: the ``serve`` subcommand on its own."""
+    """``python -m mooncake_lookout.connector.cli.serve ...``: the ``serve`` subcommand on its own."""
     parser = argparse.ArgumentParser(prog="mooncake-lookout")
     add_serve_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])

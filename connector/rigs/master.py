@@ -1,53 +1,35 @@
-"""A real Mooncake master on loopback, and real store clients to talk to it.
+"""A real Mooncake master on loopback, started, frozen, crashed and restarted by pid.
 
 Tests, the demo and the bench need a Mooncake store without a cluster. :class:`EmbeddedMaster` starts
 the real ``mooncake_master`` binary on ``127.0.0.1`` with free ports, waits until its ``/health``
 answers, and stops it by pid. It can also pause (SIGSTOP) and restart the master on the same ports,
-which is how fault tests produce real store errors and real reconnects.
+which is how fault tests produce real store errors and real reconnects. Clients to it are opened with
+:mod:`mooncake_lookout.connector.server.store`.
 
-:func:`open_store` opens a real ``MooncakeDistributedStore`` client against it. Mooncake reads its
-``MC_*`` environment variables when a client is set up, so the options here are applied around
-``setup()`` (which makes :func:`open_store` unsafe to call from two threads at once).
-
-Facts this relies on (measured here, see ANCHORS §3): the master is up in ~0.1 s; sizes 0/0 give a
-lookup-only client; a writer needs a global segment (to hold values) and a local buffer (to stage puts);
-with the master paused, a call fails with -901 after ``MC_RPC_TIMEOUT_MS``; with it killed, the
-first call fails fast with -900 and later ones block ~4 s; ``setup()`` with no master retries for
-~90 s unless ``MC_STORE_CLIENT_SETUP_RETRIES`` is small.
+Facts this relies on (measured here, see ANCHORS §3): the master is up in ~0.1 s; with the master
+paused, a call fails with -901 after ``MC_RPC_TIMEOUT_MS``; with it killed, the first call fails fast
+with -900 and later ones block ~4 s.
 """
 
 from __future__ import annotations
 
 import atexit
-import collections
 import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
 import weakref
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
 
-from mooncake_lookout.connector.processes import die_with_parent, freeze, stop_process, thaw
+from mooncake_lookout.connector.rigs.processes import ChildProcess, freeze, thaw
+from mooncake_lookout.connector.server.store import IBVERBS_HINT, INSTALL_HINT, MasterError
 
 BINARY_NAME = "mooncake_master"
-INSTALL_HINT = (
-    "install the Mooncake wheel: pip install mooncake-transfer-engine-non-cuda==0.3.13.post1 "
-    "(CPU hosts; it also needs Debian's libibverbs1) or mooncake-transfer-engine (CUDA hosts)"
-)
-IBVERBS_HINT = "the Mooncake wheel needs libibverbs.so.1: apt-get install -y libibverbs1"
 LOG_LINES_KEPT = 40
-
-
-class MasterError(RuntimeError):
-    """The Mooncake master could not be found, started or stopped; the message says what to do."""
 
 
 def find_master_binary(explicit: str | os.PathLike[str] | None = None) -> Path:
@@ -90,7 +72,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-_LIVE: "weakref.WeakSet[EmbeddedMaster]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[EmbeddedMaster] = weakref.WeakSet()
 
 
 @atexit.register
@@ -124,9 +106,8 @@ class EmbeddedMaster:
         self.rpc_port = 0
         self.metrics_port = 0
         self.start_seconds: float | None = None  # how long the last start took, until /health answered
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._log: collections.deque[str] = collections.deque(maxlen=LOG_LINES_KEPT)
-        self._log_thread: threading.Thread | None = None
+        self._child: ChildProcess | None = None  # the running master
+        self._last: ChildProcess | None = None  # the last one started, kept for its log lines
 
     # -- addresses ---------------------------------------------------------------------------
     @property
@@ -142,21 +123,21 @@ class EmbeddedMaster:
     @property
     def pid(self) -> int:
         """Process id of the running master."""
-        if self._proc is None:
+        if self._child is None:
             raise MasterError("the Mooncake master is not running")
-        return self._proc.pid
+        return self._child.pid
 
     @property
     def running(self) -> bool:
         """True while the master process exists (paused counts as running)."""
-        return self._proc is not None and self._proc.poll() is None
+        return self._child is not None and self._child.running
 
     def log_tail(self) -> str:
         """The master's last log lines (stdout and stderr), for error messages."""
-        return "\n".join(self._log)
+        return self._last.output() if self._last is not None else ""
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self) -> "EmbeddedMaster":
+    def start(self) -> EmbeddedMaster:
         """Start the master on fresh free ports (or the same ports after :meth:`stop`) and wait for health.
 
         Fresh ports are picked by the OS and may be taken by someone else before the master binds
@@ -176,7 +157,7 @@ class EmbeddedMaster:
                 self.rpc_port = self.metrics_port = 0
         raise AssertionError("unreachable")
 
-    def _start_once(self) -> "EmbeddedMaster":
+    def _start_once(self) -> EmbeddedMaster:
         args = [
             str(self.binary),
             f"--rpc_address={self.host}",
@@ -187,36 +168,26 @@ class EmbeddedMaster:
             *self.extra_args,
         ]
         env = dict(os.environ, MC_LOG_LEVEL=os.environ.get("MC_LOG_LEVEL", "ERROR"))
-        self._log.clear()
         t0 = time.perf_counter()
         try:
-            self._proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-                                          preexec_fn=die_with_parent() if self.die_with_parent else None)
+            self._child = self._last = ChildProcess(args, env=env, keep_lines=LOG_LINES_KEPT,
+                                                    die_with_parent=self.die_with_parent, name="mooncake-master")
         except OSError as exc:
             raise MasterError(f"cannot run {self.binary}: {exc}; {INSTALL_HINT}") from exc
-        self._log_thread = threading.Thread(target=self._pump_log, args=(self._proc,),
-                                            name=f"mooncake-master-log-{self._proc.pid}", daemon=True)
-        self._log_thread.start()
         _LIVE.add(self)
         self._wait_healthy(t0)
         self.start_seconds = time.perf_counter() - t0
         return self
 
-    def _pump_log(self, proc: subprocess.Popen[bytes]) -> None:
-        assert proc.stdout is not None
-        for raw in proc.stdout:
-            self._log.append(raw.decode(errors="replace").rstrip())
-
     def _wait_healthy(self, t0: float) -> None:
         deadline = t0 + self.start_timeout_s
         delay = 0.005
         while True:
-            if self._proc is not None and self._proc.poll() is not None:
-                self._join_log()
+            child = self._child
+            if child is not None and not child.running:
+                code = child.wait_exit(2.0)
                 tail = self.log_tail()
-                code = self._proc.returncode
-                self._proc = None
+                self._child = None
                 hint = f"; {IBVERBS_HINT}" if "libibverbs" in tail else ""
                 raise MasterError(f"mooncake_master exited early with code {code}{hint}; "
                                   f"its last log lines:\n{tail or '(none)'}")
@@ -238,34 +209,19 @@ class EmbeddedMaster:
         except (urllib.error.URLError, OSError, ValueError):
             return False
 
-    def _join_log(self) -> None:
-        if self._log_thread is not None:
-            self._log_thread.join(timeout=2.0)
-            self._log_thread = None
-
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the master: SIGTERM, then SIGKILL after ``timeout_s`` seconds; by pid, idempotent."""
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        stop_process(proc, signal.SIGTERM, timeout_s)
-        self._join_log()
-        if proc.stdout is not None:
-            proc.stdout.close()
+        child, self._child = self._child, None
+        if child is not None:
+            child.stop(signal.SIGTERM, timeout_s)
 
     def kill(self) -> None:
         """Kill the master at once (SIGKILL by pid): a crash, for fault tests."""
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10.0)
-        self._join_log()
-        if proc.stdout is not None:
-            proc.stdout.close()
+        child, self._child = self._child, None
+        if child is not None:
+            child.kill()
 
-    def restart(self) -> "EmbeddedMaster":
+    def restart(self) -> EmbeddedMaster:
         """Stop and start again on the same ports; the master's keys are gone (its index is in memory)."""
         self.stop()
         return self.start()
@@ -284,7 +240,7 @@ class EmbeddedMaster:
         except TimeoutError as e:
             raise MasterError(str(e)) from e
 
-    def __enter__(self) -> "EmbeddedMaster":
+    def __enter__(self) -> EmbeddedMaster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -295,87 +251,4 @@ class EmbeddedMaster:
         return f"EmbeddedMaster({self.rpc_address}, metrics={self.metrics_url}, {state})"
 
 
-# -- clients --------------------------------------------------------------------------------------
-
-WRITER_GLOBAL_SEGMENT = 64 << 20  # bytes this client lends the store to hold values
-WRITER_LOCAL_BUFFER = 16 << 20  # bytes to stage puts; a client without it fails puts with -600
-
-
-def import_store_class() -> type:
-    """Import ``MooncakeDistributedStore``, turning the usual import failures into clear errors.
-
-    Mooncake reads ``MC_LOG_LEVEL`` once, when its logging starts, so it is defaulted to ``ERROR`` in
-    this process's environment before the import (a value the caller set is kept).
-    """
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    try:
-        from mooncake.store import MooncakeDistributedStore
-    except ImportError as exc:
-        if "libibverbs" in str(exc):
-            raise MasterError(f"cannot import mooncake.store ({exc}); {IBVERBS_HINT}") from exc
-        raise MasterError(f"cannot import mooncake.store ({exc}); {INSTALL_HINT}") from exc
-    return MooncakeDistributedStore
-
-
-@contextmanager
-def _env(overrides: dict[str, str]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in overrides}
-    os.environ.update(overrides)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def open_store(rpc_address: str, *, global_segment_size: int = 0, local_buffer_size: int = 0,
-               setup_retries: int = 2, rpc_timeout_ms: int | None = None,
-               local_hostname: str = "127.0.0.1") -> Any:
-    """Open a real ``MooncakeDistributedStore`` client on ``rpc_address`` (``host:port``).
-
-    Sizes 0/0 (the default) give a lookup-only client; :func:`open_writer_store` gives one that can
-    hold puts. ``setup_retries`` is ``MC_STORE_CLIENT_SETUP_RETRIES``: attempts, at least 1, about 4.5 s each
-    when the master is down (Mooncake's default makes a dead master cost ~90 s). ``rpc_timeout_ms`` is
-    ``MC_RPC_TIMEOUT_MS`` for this client (None keeps Mooncake's 30 s): a stalled master then fails a
-    call with -901 after that long. ``MC_TCP_BIND_ADDRESS`` is set to ``local_hostname`` unless the
-    caller set it; Mooncake 0.3.13 still opens its handshake and RPC ports on all interfaces.
-    Raises :class:`MasterError` if ``setup()`` fails. Not thread-safe (it sets environment variables).
-    """
-    if setup_retries < 1:
-        raise ValueError(f"setup_retries must be >= 1 (Mooncake makes 0 attempts with 0), got {setup_retries}")
-    store_cls = import_store_class()
-    overrides = {
-        "MC_STORE_CLIENT_SETUP_RETRIES": str(setup_retries),
-        "MC_TCP_BIND_ADDRESS": os.environ.get("MC_TCP_BIND_ADDRESS", local_hostname),
-    }
-    if rpc_timeout_ms is not None:
-        overrides["MC_RPC_TIMEOUT_MS"] = str(int(rpc_timeout_ms))
-    store = store_cls()
-    with _env(overrides):
-        code = store.setup(local_hostname, "P2PHANDSHAKE", global_segment_size, local_buffer_size,
-                           "tcp", "", rpc_address)
-    if code != 0:
-        raise MasterError(f"MooncakeDistributedStore.setup(master={rpc_address}) failed with code {code}; "
-                          "is the master running and reachable?")
-    return store
-
-
-def open_writer_store(rpc_address: str, **kwargs: Any) -> Any:
-    """A client that can put values: it lends 64 MiB to the store and stages puts in 16 MiB."""
-    kwargs.setdefault("global_segment_size", WRITER_GLOBAL_SEGMENT)
-    kwargs.setdefault("local_buffer_size", WRITER_LOCAL_BUFFER)
-    return open_store(rpc_address, **kwargs)
-
-
-__all__ = [
-    "EmbeddedMaster",
-    "MasterError",
-    "find_master_binary",
-    "free_port",
-    "import_store_class",
-    "open_store",
-    "open_writer_store",
-]
+__all__ = ["EmbeddedMaster", "MasterError", "find_master_binary", "free_port"]

@@ -11,8 +11,9 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 BLOCK_SIZE = 16
 TINY_OPT = {
@@ -51,8 +52,7 @@ def make_vllm_config(extra_config: dict[str, Any], *, connector: str = "LookoutM
     and blocks parked forever.
     """
     _offline_env()
-    from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
-                             VllmConfig)
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 
     model = ModelConfig(model=tiny_model_dir(), skip_tokenizer_init=True, max_model_len=max_model_len,
                         dtype="float32", seed=0)

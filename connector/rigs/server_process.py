@@ -1,157 +1,66 @@
-"""Real faults for the lookup path: a lookup server in a child process, and an injected slow store.
+"""Lookup servers in a child process: the one server process of every rig (fault tests, soak, bench, demo).
 
-Fault tests and the soak must break a *real* server the way production breaks: the process dies
-(SIGKILL), hangs (SIGSTOP) or comes back on the same address. A thread cannot be killed or frozen on
-its own, so the server runs as a separate process, started and signalled by pid:
+Why a process: fault tests and the soak must break a *real* server the way production breaks: the process
+dies (SIGKILL), hangs (SIGSTOP) or comes back on the same address, and a thread cannot be killed or frozen
+on its own. The bench and the demo need the servers out of the scheduler's process too, as in vLLM where
+the lookup server lives in the worker: in-process server threads would fight the scheduler for the GIL and
+skew every latency it measures.
 
-* ``pipelined``: our :class:`~.server.LookupServer` (DEALER/ROUTER, ``ipc://`` or ``tcp://127.0.0.1``);
-* ``upstream``: vLLM 0.33's real ``LookupKeyServer`` (via :mod:`.upstream_server`), bound where vLLM binds
+One child serves one or more transports over one
+:class:`~mooncake_lookout.connector.server.prefix_index.PrefixIndex` on its own real store client:
+
+* ``pipelined``: our :class:`~mooncake_lookout.connector.server.loop.LookupServer` (DEALER/ROUTER, ``ipc://``
+  or ``tcp://127.0.0.1``);
+* ``upstream``: vLLM 0.33's real ``LookupKeyServer`` (via :mod:`.vllm_lookup_server`), bound where vLLM binds
   it: ``ipc://{VLLM_RPC_BASE_PATH}/lookup_rpc_port_{port}_host_..._dp_rank0``.
 
-Both answer from a :class:`~.prefix_index.PrefixIndex` over a real Mooncake master. The only fake here is
-:class:`InjectedDelayBackend`: a store that is *slow but healthy* cannot be produced for real on demand,
-so a fixed delay is injected in front of the real store call (and labelled as injected everywhere).
-
-The child is this module run as a script (``python -m mooncake_lookout.connector.faults ...``); it prints
-``listening on <address>`` once it serves, ``delay on`` / ``delay off`` after SIGUSR1 / SIGUSR2, and
-stops cleanly on SIGTERM.
+The index sits behind an :class:`~.faults.InjectedDelayBackend` (off unless asked for). The child is this
+module run as a script; it prints ``listening on NAME=ADDRESS ...`` once it serves, ``delay on`` /
+``delay off`` after SIGUSR1 / SIGUSR2, and stops on SIGTERM or SIGINT.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from mooncake_lookout.connector.processes import die_with_parent, freeze, stop_process, thaw
-from mooncake_lookout.connector.job import LookupResult
+from mooncake_lookout.connector.rigs.processes import ChildProcess, freeze, thaw
+from mooncake_lookout.connector.transport.names import PIPELINED, TRANSPORTS, UPSTREAM
 
-TRANSPORTS = ("pipelined", "upstream")
+CHILD_MODULE = "mooncake_lookout.connector.rigs.server_process"  # this module, run as the child
 READY_PREFIX = "listening on "
+STANDBY_READY = "ready"
 DELAY_ON_SIGNAL = signal.SIGUSR1
 DELAY_OFF_SIGNAL = signal.SIGUSR2
 
 
-class InjectedDelayBackend:
-    """INJECTED FAULT: a lookup backend that sleeps ``delay_s`` before each real store call.
-
-    Wraps a real backend (a :class:`PrefixIndex`); everything else (``reset``, ``remove_all``, ...) passes
-    through. ``enabled`` switches the delay at run time (the child process flips it on SIGUSR1/SIGUSR2).
-    """
-
-    def __init__(self, backend: Any, delay_s: float, enabled: bool = True) -> None:
-        self.backend = backend
-        self.delay_s = delay_s
-        self.enabled = enabled
-        self.delayed_calls = 0
-
-    def _delay(self) -> None:
-        if self.enabled and self.delay_s > 0:
-            self.delayed_calls += 1
-            time.sleep(self.delay_s)  # the injected fault itself, not a wait for a condition
-
-    def lookup(self, num_tokens: int, hashes: Sequence[bytes]) -> LookupResult:
-        """The real lookup, after the injected delay."""
-        self._delay()
-        return self.backend.lookup(num_tokens, hashes)
-
-    def lookup_many(self, queries: Sequence[tuple[int, Sequence[bytes]]]) -> list[Any]:
-        """The real batched lookup, after one injected delay for the whole batch."""
-        self._delay()
-        return self.backend.lookup_many(queries)
-
-    def reset(self) -> Any:
-        """Wipe the real store (no delay: a reset is not a lookup)."""
-        return self.backend.reset()
-
-    def __getattr__(self, name: str) -> Any:  # remove_all, key, namespace, ... of the real backend
-        return getattr(self.backend, name)
+def parse_ready_line(line: str) -> dict[str, str]:
+    """The addresses a ready line announces: ``listening on pipelined=ipc://... upstream=ipc://...``."""
+    pairs = (item.split("=", 1) for item in line[len(READY_PREFIX):].split())
+    return {name: address for name, address in pairs}
 
 
 # -- parent side -----------------------------------------------------------------------------------------------
 
-class _Child:
-    """One child process and the lines it printed (read on a daemon thread)."""
-
-    def __init__(self, argv: list[str], env: dict[str, str], standby: bool) -> None:
-        self.standby = standby
-        self.t_spawn = time.perf_counter()
-        self.lines: collections.deque[str] = collections.deque(maxlen=200)
-        self.cond = threading.Condition()
-        self.proc: subprocess.Popen[str] = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.PIPE if standby else subprocess.DEVNULL, env=env, text=True,
-            start_new_session=True, preexec_fn=die_with_parent())
-        self.reader = threading.Thread(target=self._pump, daemon=True, name=f"lookout-server-proc-{self.proc.pid}")
-        self.reader.start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for raw in self.proc.stdout:
-            with self.cond:
-                self.lines.append(raw.rstrip())
-                self.cond.notify_all()
-        with self.cond:
-            self.cond.notify_all()
-
-    def output(self) -> str:
-        with self.cond:
-            return "\n".join(self.lines)
-
-    def wait_line(self, match: Any, timeout_s: float, what: str, after: int = 0) -> str:
-        """Wait (bounded) for an output line matching ``match`` among the lines after the first ``after``."""
-        deadline = time.monotonic() + timeout_s
-        with self.cond:
-            while True:
-                for line in list(self.lines)[after:]:
-                    if match(line):
-                        return line
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"lookup server process exited during {what}; output:\n"
-                                       + "\n".join(self.lines))
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"lookup server process: no {what} within {timeout_s} s; output:\n"
-                                       + "\n".join(self.lines))
-                self.cond.wait(min(left, 0.5))
-
-    def go(self) -> None:
-        """Tell a standby child to bind and serve now."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("go\n")
-        self.proc.stdin.flush()
-
-    def kill(self, sig: signal.Signals = signal.SIGKILL, timeout_s: float = 10.0) -> None:
-        """End the child by pid (``SIGKILL``, or SIGCONT+SIGTERM then SIGKILL for a clean stop) and reap it."""
-        proc = self.proc
-        stop_process(proc, sig, timeout_s)
-        self.reader.join(timeout=5.0)
-        for stream in (proc.stdout, proc.stdin):
-            if stream is not None:
-                try:
-                    stream.close()
-                except OSError:
-                    pass
-
-
 class ServerProcess:
-    """A lookup server in a child process: start, kill, pause, resume and restart it by pid, same address.
+    """Lookup servers in a child process: start, kill, pause, resume and restart them by pid, same addresses.
 
-    ``transport``: ``pipelined`` (our server) or ``upstream`` (vLLM's ``LookupKeyServer``).
-    ``master``: the Mooncake master's ``host:port``. ``address`` (pipelined only): ``ipc://PATH`` or
-    ``tcp://127.0.0.1:PORT`` (port 0 picks one, kept across restarts); default an IPC socket in a private
-    0700 folder made here. ``rpc_port`` / ``rpc_base_path`` (upstream only): vLLM's ``lookup_rpc_port``
-    and ``VLLM_RPC_BASE_PATH``. ``delay_ms`` is the injected store delay, active from the start if
-    ``delay_on``. ``store_rpc_timeout_ms`` bounds one store call in the child when the master stalls.
-    ``start_timeout_s`` bounds the wait for ``listening on`` (an upstream child imports vLLM: 10-15 s).
+    ``transports``: ``pipelined`` (our server), ``upstream`` (vLLM's ``LookupKeyServer``), or a sequence of
+    both, served by one child over one index. ``master``: the Mooncake master's ``host:port``.
+    ``address`` (pipelined only): ``ipc://PATH`` or ``tcp://127.0.0.1:PORT`` (port 0 picks one, kept across
+    restarts); default an IPC socket in a private 0700 folder made here. ``rpc_port`` / ``rpc_base_path``
+    (upstream only): vLLM's ``lookup_rpc_port`` and ``VLLM_RPC_BASE_PATH``. ``delay_ms`` is the injected
+    store delay, active from the start if ``delay_on``. ``store_rpc_timeout_ms`` bounds one store call in
+    the child when the master stalls (None: Mooncake's 30 s). ``start_timeout_s`` bounds the wait for the
+    ready line (an upstream child imports vLLM: 10-15 s).
 
     ``standby``: keep the next child already spawned and imported, waiting for a word on stdin, so a
     restart costs a bind (~0.1 s) instead of an interpreter and a vLLM import. What a restart measures
@@ -162,13 +71,15 @@ class ServerProcess:
     child starts with the delay as ``delay_on`` says, whatever :meth:`set_delay` switched since.
     """
 
-    def __init__(self, transport: str, master: str, *, namespace: str, address: str | None = None,
+    def __init__(self, transports: str | Sequence[str], master: str, *, namespace: str, address: str | None = None,
                  rpc_port: int = 0, rpc_base_path: str | None = None, block_size: int = 16,
-                 delay_ms: float = 0.0, delay_on: bool = False, store_rpc_timeout_ms: int = 1000,
+                 delay_ms: float = 0.0, delay_on: bool = False, store_rpc_timeout_ms: int | None = 1000,
                  workers: int = 2, start_timeout_s: float = 90.0, standby: bool = True) -> None:
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-        self.transport = transport
+        self.transports = (transports,) if isinstance(transports, str) else tuple(transports)
+        unknown = [t for t in self.transports if t not in TRANSPORTS]
+        if unknown or not self.transports:
+            raise ValueError(f"transports must be some of {TRANSPORTS}, got {transports!r}")
+        self.transport = self.transports[0]
         self.master = master
         self.namespace = namespace
         self.rpc_port = rpc_port
@@ -183,79 +94,86 @@ class ServerProcess:
         self.starts = 0
         self.start_seconds: list[float] = []  # from the start call (or the standby's go) until serving
         self._own_dir: str | None = None
-        if transport == "pipelined" and address is None:
-            self._own_dir = tempfile.mkdtemp(prefix="lookout-faults-")  # mode 0700
+        if PIPELINED in self.transports and address is None:
+            self._own_dir = tempfile.mkdtemp(prefix="lookout-servers-")  # mode 0700
             address = "ipc://" + os.path.join(self._own_dir, "lookup.sock")
         self._requested = address
-        self.address: str = ""
-        self._child: _Child | None = None
-        self._standby: _Child | None = None
+        self.addresses: dict[str, str] = {}  # transport -> address, once started
+        self._child: ChildProcess | None = None
+        self._standby: ChildProcess | None = None
 
     # -- state -------------------------------------------------------------------------------------------------
+    @property
+    def address(self) -> str:
+        """The address of the first transport served ('' before the first start)."""
+        return self.addresses.get(self.transport, "")
+
     @property
     def pid(self) -> int:
         """Process id of the running child."""
         if self._child is None:
             raise RuntimeError("the lookup server process is not running")
-        return self._child.proc.pid
+        return self._child.pid
 
     @property
     def running(self) -> bool:
         """True while the child exists (paused counts as running)."""
-        return self._child is not None and self._child.proc.poll() is None
+        return self._child is not None and self._child.running
 
     def pids(self) -> list[int]:
         """Every child process this object holds (the server and its standby), for leak checks."""
-        return [c.proc.pid for c in (self._child, self._standby) if c is not None]
+        return [c.pid for c in (self._child, self._standby) if c is not None]
 
     def output(self) -> str:
         """The running child's last output lines (stdout and stderr), for error messages."""
         return self._child.output() if self._child is not None else ""
 
     def _argv(self, standby: bool) -> list[str]:
-        argv = [sys.executable, "-m", "mooncake_lookout.connector.faults", "--transport", self.transport,
-                "--master", self.master, "--namespace", self.namespace, "--block-size", str(self.block_size),
-                "--delay-ms", str(self.delay_ms), "--store-rpc-timeout-ms", str(self.store_rpc_timeout_ms),
-                "--workers", str(self.workers)]
+        argv = [sys.executable, "-m", CHILD_MODULE, "--master", self.master, "--namespace", self.namespace,
+                "--block-size", str(self.block_size), "--delay-ms", str(self.delay_ms), "--workers", str(self.workers)]
+        for transport in self.transports:
+            argv += ["--serve", transport]
+        if self.store_rpc_timeout_ms is not None:
+            argv += ["--store-rpc-timeout-ms", str(self.store_rpc_timeout_ms)]
         if self.delay_on:
             argv.append("--delay-on")
         if standby:
             argv.append("--wait-go")
-        if self.transport == "pipelined":
-            argv += ["--address", self.address or self._requested or ""]
-        else:
+        if PIPELINED in self.transports:
+            argv += ["--address", self.addresses.get(PIPELINED) or self._requested or ""]
+        if UPSTREAM in self.transports:
             argv += ["--rpc-port", str(self.rpc_port)]
+            if self.rpc_base_path is not None:
+                argv += ["--rpc-base-path", self.rpc_base_path]
         return argv
 
-    def _spawn(self, standby: bool) -> _Child:
+    def _spawn(self, standby: bool) -> ChildProcess:
         env = dict(os.environ, MC_LOG_LEVEL=os.environ.get("MC_LOG_LEVEL", "ERROR"), PYTHONUNBUFFERED="1")
-        if self.rpc_base_path is not None:
-            env["VLLM_RPC_BASE_PATH"] = self.rpc_base_path
-        return _Child(self._argv(standby), env, standby)
+        return ChildProcess(self._argv(standby), env=env, stdin=standby, keep_lines=200, name="lookup-servers")
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
-    def start(self) -> "ServerProcess":
-        """Start a server (the standby if one is ready; the previous start's address) and wait until it serves."""
+    def start(self) -> ServerProcess:
+        """Start the servers (the standby if one is ready; the previous start's addresses) and wait until they serve."""
         if self.running:
             return self
         t0 = time.perf_counter()
         child, self._standby = self._standby, None
-        if child is not None and (child.proc.poll() is not None or not self.address):
+        if child is not None and (not child.running or not self.addresses):
             child.kill()
             child = None
         if child is None:
             child = self._spawn(standby=False)
         else:
-            child.wait_line(lambda ln: ln.strip() == "ready", self.start_timeout_s, "standby import")
+            child.wait_line(lambda ln: ln.strip() == STANDBY_READY, self.start_timeout_s, "standby import")
             t0 = time.perf_counter()
-            child.go()
+            child.send("go\n")
         self._child = child
         try:
-            line = child.wait_line(lambda ln: ln.startswith(READY_PREFIX), self.start_timeout_s, "start")
+            line = child.wait_line(READY_PREFIX, self.start_timeout_s, "start")
         except Exception:
             self.kill()
             raise
-        self.address = line[len(READY_PREFIX):].strip()
+        self.addresses = parse_ready_line(line)
         self.starts += 1
         self.start_seconds.append(time.perf_counter() - t0)
         if self.use_standby:
@@ -263,28 +181,28 @@ class ServerProcess:
         return self
 
     def kill(self) -> None:
-        """Crash the server: SIGKILL by pid, then reap it (a standby stays ready)."""
+        """Crash the servers: SIGKILL by pid, then reap the child (a standby stays ready)."""
         child, self._child = self._child, None
         if child is not None:
-            child.kill(signal.SIGKILL)
+            child.kill()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop cleanly: SIGCONT, SIGTERM, then SIGKILL after ``timeout_s`` (a standby stays ready)."""
         child, self._child = self._child, None
         if child is not None:
-            child.kill(signal.SIGTERM, timeout_s)
+            child.stop(signal.SIGTERM, timeout_s)
 
-    def restart(self) -> "ServerProcess":
-        """Kill (if running) and start again on the same address."""
+    def restart(self) -> ServerProcess:
+        """Kill (if running) and start again on the same addresses."""
         self.kill()
         return self.start()
 
     def pause(self, timeout_s: float = 5.0) -> None:
-        """Hang the server (SIGSTOP) and return once the kernel reports it stopped."""
+        """Hang the servers (SIGSTOP) and return once the kernel reports the child stopped."""
         freeze(self.pid, timeout_s, "lookup server process")
 
     def resume(self, timeout_s: float = 5.0) -> None:
-        """Thaw a hung server (SIGCONT) and return once it runs again."""
+        """Thaw hung servers (SIGCONT) and return once the child runs again."""
         thaw(self.pid, timeout_s, "lookup server process")
 
     def set_delay(self, on: bool, timeout_s: float = 10.0) -> None:
@@ -292,64 +210,81 @@ class ServerProcess:
         child = self._child
         if child is None:
             raise RuntimeError("the lookup server process is not running")
-        with child.cond:
-            seen = len(child.lines)
-        os.kill(child.proc.pid, DELAY_ON_SIGNAL if on else DELAY_OFF_SIGNAL)
+        seen = child.line_count
+        os.kill(child.pid, DELAY_ON_SIGNAL if on else DELAY_OFF_SIGNAL)
         want = "delay on" if on else "delay off"
         child.wait_line(lambda ln: ln.strip() == want, timeout_s, want, after=seen)
 
     def close(self) -> None:
-        """Stop the server and its standby, and remove the private folder made for the socket."""
+        """Stop the servers and the standby, and remove the private folder made for the socket."""
         self.stop()
         standby, self._standby = self._standby, None
         if standby is not None:
-            standby.kill(signal.SIGKILL)
+            standby.kill()
         if self._own_dir is not None:
             shutil.rmtree(self._own_dir, ignore_errors=True)
             self._own_dir = None
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
-        return f"ServerProcess({self.transport}, {self.address or self._requested}, running={self.running})"
+        where = self.addresses or self._requested
+        return f"ServerProcess({'+'.join(self.transports)}, {where}, running={self.running})"
 
 
 # -- child side ------------------------------------------------------------------------------------------------
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m mooncake_lookout.connector.faults",
-                                description="a lookup server child process for fault tests")
-    p.add_argument("--transport", choices=TRANSPORTS, required=True)
+    p = argparse.ArgumentParser(prog="python -m mooncake_lookout.connector.rigs.server_process",
+                                description="lookup servers in a child process")
+    p.add_argument("--serve", choices=TRANSPORTS, action="append", required=True, help="a transport to serve")
     p.add_argument("--master", required=True, metavar="HOST:PORT")
     p.add_argument("--namespace", required=True)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--address", default="", help="pipelined: ipc://PATH or tcp://127.0.0.1:PORT ('' = private dir)")
     p.add_argument("--rpc-port", type=int, default=0, help="upstream: vLLM's lookup_rpc_port")
+    p.add_argument("--rpc-base-path", default=None, help="upstream: VLLM_RPC_BASE_PATH for vLLM's IPC path")
     p.add_argument("--delay-ms", type=float, default=0.0, help="INJECTED store delay, in milliseconds")
     p.add_argument("--delay-on", action="store_true", help="inject the delay from the start")
-    p.add_argument("--store-rpc-timeout-ms", type=int, default=1000)
+    p.add_argument("--store-rpc-timeout-ms", type=int, default=None)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--wait-go", action="store_true",
                    help="standby: import everything, print 'ready', then wait for a line on stdin before serving")
     return p.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run one lookup server until SIGTERM; prints ``listening on <address>`` once serving."""
-    args = _parse(argv)
-    from mooncake_lookout.connector.mooncake_master import open_store
-    from mooncake_lookout.connector.prefix_index import PrefixIndex
-
+def _start_servers(args: argparse.Namespace, backend: Any) -> dict[str, Any]:
+    """Bind every server asked for; returns them by transport name."""
     from mooncake_lookout.connector.server import LookupServer
 
-    if args.transport == "upstream":
-        from mooncake_lookout.connector.upstream_server import UpstreamLookupServer, lookup_vllm_config
+    servers: dict[str, Any] = {}
+    if UPSTREAM in args.serve:
+        from mooncake_lookout.connector.rigs.vllm_lookup_server import UpstreamLookupServer, lookup_vllm_config
+
+        servers[UPSTREAM] = UpstreamLookupServer(backend, lookup_vllm_config(args.rpc_port)).start()
+    if PIPELINED in args.serve:
+        servers[PIPELINED] = LookupServer(backend, args.address or None, workers=args.workers).start()
+    return servers
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Serve until SIGTERM / SIGINT; prints ``listening on NAME=ADDRESS ...`` once serving."""
+    args = _parse(argv)
+    from mooncake_lookout.connector.rigs.faults import InjectedDelayBackend
+    from mooncake_lookout.connector.rigs.rpc_base_path import use_rpc_base_path
+    from mooncake_lookout.connector.server.prefix_index import PrefixIndex
+    from mooncake_lookout.connector.server.store import open_store
+
+    if args.rpc_base_path is not None:
+        use_rpc_base_path(args.rpc_base_path)
+    if UPSTREAM in args.serve:  # imports vLLM (seconds): before the standby says it is ready
+        import mooncake_lookout.connector.rigs.vllm_lookup_server  # noqa: F401
     if args.wait_go:
-        print("ready", flush=True)
+        print(STANDBY_READY, flush=True)
         if not sys.stdin.readline():  # the parent went away before it needed this standby
             return 0
     stop = threading.Event()
@@ -365,26 +300,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(DELAY_ON_SIGNAL, lambda *_: switch(True))
     signal.signal(DELAY_OFF_SIGNAL, lambda *_: switch(False))
-    if args.transport == "pipelined":
-        server: Any = LookupServer(backend, args.address or None, workers=args.workers).start()
-        address = server.address
-    else:
-        server = UpstreamLookupServer(backend, lookup_vllm_config(args.rpc_port)).start()  # type: ignore[arg-type]
-        address = server.address
-    print(f"{READY_PREFIX}{address}", flush=True)
+    servers = _start_servers(args, backend)
+    print(READY_PREFIX + " ".join(f"{name}={server.address}" for name, server in servers.items()), flush=True)
     try:
         while not stop.wait(0.5):
             pass
     finally:
-        if args.transport == "pipelined":
-            server.close(timeout_s=2.0)
-        else:
-            server.stop(timeout_s=2.0)
+        for name, server in servers.items():
+            if name == UPSTREAM:
+                server.stop(timeout_s=2.0)
+            else:
+                server.close(timeout_s=2.0)
         # The store client's close() takes ~1 s; a child being stopped need not wait for it.
     os._exit(0)
 
 
-__all__ = ["InjectedDelayBackend", "ServerProcess", "TRANSPORTS", "main"]
+__all__ = ["DELAY_OFF_SIGNAL", "DELAY_ON_SIGNAL", "READY_PREFIX", "ServerProcess", "main", "parse_ready_line"]
 
 if __name__ == "__main__":
     sys.exit(main())

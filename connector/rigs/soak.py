@@ -1,16 +1,17 @@
 """The lookup path under a long run of random real faults: the soak, and the rig fault tests share.
 
 :class:`FaultRig` assembles the real parts: a Mooncake master (:class:`EmbeddedMaster`), a writer client
-that holds the truth (what was stored), a lookup server in a child process (:class:`~.faults.ServerProcess`,
-either transport) and our :class:`~.client.LookupClient` in this process. It checks every served hit
-against the truth: a hit above what the store holds is *wrong*; a hit for a lookup that was both asked and
-answered while the store was known to be empty (after a reset or a master crash, before re-filling) is
-*stale*.
+that holds the truth (what was stored), a lookup server in a child process
+(:class:`~.server_process.ServerProcess`, either transport) and our
+:class:`~mooncake_lookout.connector.client.LookupClient` in this process. It checks every served hit
+against the truth: a hit above what the store holds is *wrong*; a hit for a lookup that was both asked
+and answered while the store was known to be empty (after a reset or a master crash, before re-filling)
+is *stale*.
 
 :func:`run_soak` drives the client like vLLM's scheduler does (lookups started at admission, polled once
 per step, some blocking), injects random faults between and during steps, and reports the figures the
-README's reliability section quotes. ``python -m mooncake_lookout.connector.soak --lookups 100000``
-prints them.
+README's reliability section quotes (``python -m mooncake_lookout.connector.rigs.soak --lookups 100000``
+prints them). Every random choice comes from one seed (:class:`SoakPlan`), so ``--seed`` reproduces a run.
 """
 
 from __future__ import annotations
@@ -27,21 +28,29 @@ import sys
 import tempfile
 import time
 import uuid
+import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from mooncake_lookout.connector.client import LookupClient
 from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.events import LookupRecord, NullObserver
-from mooncake_lookout.connector.faults import ServerProcess
 from mooncake_lookout.connector.job import LookupResult
-from mooncake_lookout.connector.mooncake_master import EmbeddedMaster, open_writer_store
-from mooncake_lookout.connector.prefix_index import PrefixIndex
-from mooncake_lookout.connector.workload import WorkloadRequest, shared_prefix_workload
+from mooncake_lookout.connector.rigs.master import EmbeddedMaster
+from mooncake_lookout.connector.rigs.server_process import ServerProcess
+from mooncake_lookout.connector.rigs.workload import WorkloadRequest, shared_prefix_workload
+from mooncake_lookout.connector.server.prefix_index import PrefixIndex
+from mooncake_lookout.connector.server.store import open_writer_store
+from mooncake_lookout.connector.transport import make_transport
+from mooncake_lookout.connector.transport.names import PIPELINED, TRANSPORTS
 
 BLOCK_SIZE = 16
 FAULTS = ("server_pause", "server_kill", "store_delay", "master_pause", "reset", "master_kill",
           "abort_storm", "id_reuse")
+RECOVERED_FAULTS = frozenset(("server_kill", "server_pause", "master_pause", "master_kill", "store_delay", "reset"))
+WIPING_FAULTS = frozenset(("reset", "master_kill"))  # the store is empty afterwards: the truth is put back
+SOAK_STEP_S = 0.001  # time between two scheduler steps (stands in for a model's forward pass)
 
 
 def rss_bytes() -> int:
@@ -174,8 +183,6 @@ class FaultRig:
 
     def new_client(self, observer: Any = None) -> LookupClient:
         """A client of this rig's transport on the server's address (closed with the rig)."""
-        from mooncake_lookout.connector.transports import make_transport
-
         client = LookupClient(self.config, make_transport(self.config, self.server.address), observer=observer)
         self._stack.callback(client.close)
         return client
@@ -259,11 +266,18 @@ class FaultRig:
 
         return poll_until(hits, timeout_s, 0.01)
 
+    def assert_recovers(self, requests: Sequence[WorkloadRequest], bound_s: float) -> float:
+        """:meth:`recovery_s` of the request whose stored prefix is longest (the clearest sign of recovery);
+        AssertionError if lookups do not hit again within ``bound_s``."""
+        took = self.recovery_s(max(requests, key=lambda r: self.truth(r.num_tokens, r.block_hashes)), bound_s)
+        assert took is not None, f"lookups did not hit again within {bound_s} s"
+        return took
+
     def close(self) -> None:
         """Stop the client, the server process (and its standby), the writer and, if the rig made it, the master."""
         self._stack.close()
 
-    def __enter__(self) -> "FaultRig":
+    def __enter__(self) -> FaultRig:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -298,136 +312,218 @@ class SoakReport:
         return "\n".join(f"{k:>20}: {v}" for k, v in asdict(self).items())
 
 
-def run_soak(lookups: int = 100_000, *, transport: str = "pipelined", seed: int = 0, round_size: int = 64,
+class SoakPlan:
+    """Every random choice of a soak, drawn from one seed, so ``--seed`` reproduces a run.
+
+    Which blocks of each request the store holds, which requests each round asks for, which fault a round
+    carries (each kind once per cycle, in a seeded order; at most ``master_kills`` master crashes, later
+    ones become master pauses), which requests a reused id switches to, and which calls block. Nothing here
+    depends on the process (no salted ``hash()``), only on the seed and the order of the calls.
+    """
+
+    def __init__(self, seed: int, *, work_size: int, fault_rate: float, master_kills: int) -> None:
+        self.seed = seed
+        self.work_size = work_size
+        self.fault_rate = fault_rate
+        self.kills_left = master_kills
+        self._rng = random.Random(seed)
+        self._order: list[str] = []
+
+    def stored_blocks(self) -> int:
+        """How many leading blocks of the next request the store holds (0 for about a third)."""
+        return self._rng.choice((0, 0, 2, 4, 6, 8))
+
+    def batch(self, size: int) -> list[int]:
+        """Indices into the workload of the next round's ``size`` requests (repeats allowed)."""
+        return [self._rng.randrange(self.work_size) for _ in range(size)]
+
+    def fault(self) -> str | None:
+        """The fault the next round carries, or None (with probability ``1 - fault_rate``)."""
+        if self._rng.random() >= self.fault_rate:
+            return None
+        if not self._order:  # every kind in turn, in a seeded order, so a short soak has each
+            self._order = self._rng.sample(FAULTS, len(FAULTS))
+        fault = self._order.pop()
+        if fault == "master_kill":
+            if self.kills_left <= 0:
+                return "master_pause"
+            self.kills_left -= 1
+        return fault
+
+    def replacement(self) -> int:
+        """The workload index a reused id switches to."""
+        return self._rng.randrange(self.work_size)
+
+    def blocking(self, req_id: str) -> bool:
+        """Whether the scheduler asks ``req_id`` blocking (about one in eight, as sync mode does)."""
+        return zlib.crc32(f"{self.seed}/{req_id}".encode()) % 8 == 0
+
+
+@dataclass
+class _Tracking:
+    """What a soak has counted so far."""
+
+    t_start: float = field(default_factory=time.perf_counter)
+    done: int = 0
+    rounds: int = 0
+    rss0: int | None = None
+    faults: collections.Counter[str] = field(default_factory=collections.Counter)
+    recoveries: list[float] = field(default_factory=list)
+    recoveries_failed: int = 0
+    max_call: float = 0.0
+    max_late: float = 0.0
+    blocking_calls: array.array[float] = field(default_factory=lambda: array.array("d"))
+
+
+@dataclass
+class _Round:
+    """One round's requests, by id, with their submit times (a fault may restart some of them)."""
+
+    ids: list[str]
+    batch: list[WorkloadRequest]
+    submitted: dict[str, float]
+    inject_s: float = 0.0  # how long injecting the fault stopped the steps (harness time, not the client's)
+
+
+def run_soak(lookups: int = 100_000, *, transport: str = PIPELINED, seed: int = 0, round_size: int = 64,
              fault_rate: float = 0.02, timeout_ms: float = 50.0, master_kills: int = 1,
              workload_size: int = 512, progress: Callable[[str], None] | None = None) -> SoakReport:
     """Run ``lookups`` lookups with random real faults; returns the figures (see :class:`SoakReport`).
 
     Each round admits ``round_size`` requests (lookups start at admission), then polls them once per
     step, as vLLM's async scheduler does; one in eight asks blocking, as its sync mode does. With
-    probability ``fault_rate`` a round carries the next fault of :data:`FAULTS` (each kind once per cycle,
-    in a seeded order), injected while its lookups
-    are in flight and cleared before the round ends. ``master_kills`` bounds master crashes (each costs
-    seconds: Mooncake calls to a dead master block ~4.4 s).
+    probability ``fault_rate`` a round carries the next fault of :data:`FAULTS` (see :class:`SoakPlan`),
+    injected while its lookups are in flight and cleared before the round ends. ``master_kills`` bounds
+    master crashes (each costs seconds: Mooncake calls to a dead master block ~4.4 s).
     """
-    rng = random.Random(seed)
-    tally = Tally()
-    step_s = 0.001
     config = dict(lookup_timeout_ms=timeout_ms, lookup_breaker_failures=20, lookup_breaker_cooldown_s=0.2,
                   lookup_max_pending=4096)
-    faults: collections.Counter[str] = collections.Counter()
-    recoveries: list[float] = []
-    recoveries_failed = 0
-    max_call = 0.0
-    max_late = 0.0
-    blocking_calls = array.array("d")
-    t_start = time.perf_counter()
+    work = shared_prefix_workload(workload_size, prefix_blocks=4, unique_blocks=4, num_prefixes=8, seed=seed)
+    work += shared_prefix_workload(workload_size // 4, prefix_blocks=0, unique_blocks=8, seed=seed + 1)  # cold
+    plan = SoakPlan(seed, work_size=len(work), fault_rate=fault_rate, master_kills=master_kills)
+    tally = Tally()
+    track = _Tracking()
     with FaultRig(transport, config=config, server_kwargs=dict(delay_ms=timeout_ms * 2)) as rig:
-        client = rig.client
-        client.observers.add(tally)
-        work = shared_prefix_workload(workload_size, prefix_blocks=4, unique_blocks=4, num_prefixes=8, seed=seed)
-        work += shared_prefix_workload(workload_size // 4, prefix_blocks=0, unique_blocks=8, seed=seed + 1)  # cold
-        rig.store(work, lambda r: rng.choice((0, 0, 2, 4, 6, 8)))
+        rig.client.observers.add(tally)
+        rig.store(work, lambda r: plan.stored_blocks())
         probe = next(r for r in work if rig.truth(r.num_tokens, r.block_hashes) > 0)
-        done = 0
-        rnd = 0
-        rss0: int | None = None
-        kills_left = master_kills
-        order: list[str] = []
-        while done < lookups:
-            rnd += 1
-            if rss0 is None and done >= min(lookups // 20, 5000):
-                rss0 = rss_bytes()
-            batch = [work[rng.randrange(len(work))] for _ in range(min(round_size, lookups - done))]
-            ids = [f"r{rnd}-{i}" for i in range(len(batch))]
-            fault = None
-            if rng.random() < fault_rate:  # every kind in turn, in a seeded order, so a short soak has each
-                if not order:
-                    order = rng.sample(FAULTS, len(FAULTS))
-                fault = order.pop()
-            if fault == "master_kill" and kills_left <= 0:
-                fault = "master_pause"
-            submitted: dict[str, float] = {}
-            for rid, req in zip(ids, batch):
-                submitted[rid] = client.start(rid, req.num_tokens, req.block_hashes).rec.t_submit
-            cleanup: Callable[[], None] | None = None
-            inject_s = 0.0
-            if fault is not None:
-                faults[fault] += 1
-                t_inject = time.perf_counter()
-                cleanup = _inject(fault, rig, rng, ids, batch, work, submitted)
-                inject_s = time.perf_counter() - t_inject
-                if fault == "master_kill":
-                    kills_left -= 1
-            # Poll once per step until every request has its answer (or was discarded by a storm).
-            open_ids = [rid for rid in ids if client.has(rid)]
-            reqs = dict(zip(ids, batch))
-            steps = 0
-            while open_ids:
-                steps += 1
-                still = []
-                for rid in open_ids:
-                    req = reqs[rid]
-                    blocking = hash(rid) % 8 == 0
-                    t0 = time.perf_counter()
-                    result = client.lookup(rid, req.num_tokens, req.block_hashes, non_block=not blocking)
-                    t1 = time.perf_counter()
-                    max_call = max(max_call, t1 - t0)
-                    if blocking:
-                        blocking_calls.append(t1 - t0)
-                    if t1 - t0 > timeout_ms / 1000 + 0.005:
-                        rig.violations.slow_calls.append(t1 - t0)
-                    deadline = submitted[rid] + timeout_ms / 1000
-                    if result is None:
-                        if t0 > deadline:  # the scheduler was told "ask again" after the deadline
-                            rig.violations.late_answers.append(t0 - deadline)
-                        still.append(rid)
-                        continue
-                    if inject_s < 0.005:  # steps did not stop for the harness: the figure is the client's
-                        max_late = max(max_late, t1 - deadline)
-                    rig.check(rid, req.num_tokens, req.block_hashes, result, submitted[rid])
-                    client.discard(rid)
-                    done += 1
-                open_ids = still
-                if cleanup is not None and steps == 2:
-                    cleanup()
-                    cleanup = None
-                if open_ids:
-                    time.sleep(step_s)  # stands in for the model's forward pass between scheduler steps
-            if cleanup is not None:
-                cleanup()
-            if client.pending:
-                rig.violations.pending_left.append(client.pending)
-            if fault in ("server_kill", "server_pause", "master_pause", "master_kill", "store_delay", "reset"):
-                if fault in ("reset", "master_kill"):
-                    rig.restore(work)
-                took = rig.recovery_s(probe)
-                if took is None:
-                    recoveries_failed += 1
-                else:
-                    recoveries.append(took)
-            if progress is not None and rnd % 200 == 0:
-                progress(f"{done} lookups, {dict(faults)}, {len(recoveries)} recoveries, "
+        while track.done < lookups:
+            track.rounds += 1
+            if track.rss0 is None and track.done >= min(lookups // 20, 5000):
+                track.rss0 = rss_bytes()
+            fault = _soak_round(rig, plan, work, track, min(round_size, lookups - track.done), timeout_ms / 1000)
+            if fault in RECOVERED_FAULTS:
+                _recover(rig, work, probe, track, wiped=fault in WIPING_FAULTS)
+            if progress is not None and track.rounds % 200 == 0:
+                progress(f"{track.done} lookups, {dict(track.faults)}, {len(track.recoveries)} recoveries, "
                          f"rss {rss_bytes() / 2**20:.1f} MiB")
-        rss1 = rss_bytes()
-        v = rig.violations
-        report = SoakReport(
-            transport=transport, lookups=done, seconds=round(time.perf_counter() - t_start, 1),
-            outcomes=dict(tally.outcomes), faults=dict(faults), wrong_hits=len(v.wrong), stale_hits=len(v.stale),
-            max_call_ms=round(max_call * 1000, 2), calls_over_bound=len(v.slow_calls),
-            blocking_call_ms=_percentiles(blocking_calls),
-            max_late_ms=round(max_late * 1000, 2),
-            pending_left_rounds=len(v.pending_left), rss_growth_mb=round((rss1 - (rss0 or rss1)) / 2**20, 2),
-            max_recovery_s=round(max(recoveries), 3) if recoveries else None,
-            recoveries_failed=recoveries_failed, timeout_ms=timeout_ms, ok=False,
-            examples={k: list(getattr(v, k))[:5] for k in ("wrong", "stale", "slow_calls", "late_answers",
-                                                            "pending_left")})
-        report.ok = (v.empty() and recoveries_failed == 0 and report.rss_growth_mb < 10
-                     and (report.max_recovery_s or 0) < 5.0 and client.pending == 0)
+        return _report(rig, transport, tally, track, timeout_ms)
+
+
+def _soak_round(rig: FaultRig, plan: SoakPlan, work: list[WorkloadRequest], track: _Tracking, size: int,
+                timeout_s: float) -> str | None:
+    """Admit one round, inject its fault (if any) while its lookups are in flight, poll until all answered.
+
+    Returns the fault the round carried.
+    """
+    client = rig.client
+    batch = [work[i] for i in plan.batch(size)]
+    ids = [f"r{track.rounds}-{i}" for i in range(len(batch))]
+    fault = plan.fault()
+    rnd = _Round(ids, batch, {rid: client.start(rid, req.num_tokens, req.block_hashes).rec.t_submit
+                              for rid, req in zip(ids, batch)})
+    cleanup: Callable[[], None] | None = None
+    if fault is not None:
+        track.faults[fault] += 1
+        t_inject = time.perf_counter()
+        cleanup = _inject(fault, rig, plan, rnd, work)
+        rnd.inject_s = time.perf_counter() - t_inject
+    _poll_round(rig, plan, rnd, track, timeout_s, cleanup)
+    if client.pending:
+        rig.violations.pending_left.append(client.pending)
+    return fault
+
+
+def _poll_round(rig: FaultRig, plan: SoakPlan, rnd: _Round, track: _Tracking, timeout_s: float,
+                cleanup: Callable[[], None] | None) -> None:
+    """Poll the round's open lookups once per step until each is answered (or was discarded by a storm).
+
+    The fault is cleared (``cleanup``) after the second step, or at the end if the round ended sooner.
+    """
+    client = rig.client
+    reqs = dict(zip(rnd.ids, rnd.batch))
+    open_ids = [rid for rid in rnd.ids if client.has(rid)]
+    steps = 0
+    while open_ids:
+        steps += 1
+        open_ids = [rid for rid in open_ids if not _ask(rig, plan, rid, reqs[rid], rnd, track, timeout_s)]
+        if cleanup is not None and steps == 2:
+            cleanup()
+            cleanup = None
+        if open_ids:
+            time.sleep(SOAK_STEP_S)  # stands in for the model's forward pass between scheduler steps
+    if cleanup is not None:
+        cleanup()
+
+
+def _ask(rig: FaultRig, plan: SoakPlan, rid: str, req: WorkloadRequest, rnd: _Round, track: _Tracking,
+         timeout_s: float) -> bool:
+    """One scheduler call for ``rid``, timed and checked; True once its answer was used."""
+    blocking = plan.blocking(rid)
+    t0 = time.perf_counter()
+    result = rig.client.lookup(rid, req.num_tokens, req.block_hashes, non_block=not blocking)
+    t1 = time.perf_counter()
+    track.max_call = max(track.max_call, t1 - t0)
+    if blocking:
+        track.blocking_calls.append(t1 - t0)
+    if t1 - t0 > timeout_s + 0.005:
+        rig.violations.slow_calls.append(t1 - t0)
+    deadline = rnd.submitted[rid] + timeout_s
+    if result is None:
+        if t0 > deadline:  # the scheduler was told "ask again" after the deadline
+            rig.violations.late_answers.append(t0 - deadline)
+        return False
+    if rnd.inject_s < 0.005:  # steps did not stop for the harness: the figure is the client's
+        track.max_late = max(track.max_late, t1 - deadline)
+    rig.check(rid, req.num_tokens, req.block_hashes, result, rnd.submitted[rid])
+    rig.client.discard(rid)
+    track.done += 1
+    return True
+
+
+def _recover(rig: FaultRig, work: list[WorkloadRequest], probe: WorkloadRequest, track: _Tracking, *,
+             wiped: bool) -> None:
+    """After a fault that broke the path: put the truth back if it was ``wiped``, and time the recovery."""
+    if wiped:
+        rig.restore(work)
+    took = rig.recovery_s(probe)
+    if took is None:
+        track.recoveries_failed += 1
+    else:
+        track.recoveries.append(took)
+
+
+def _report(rig: FaultRig, transport: str, tally: Tally, track: _Tracking, timeout_ms: float) -> SoakReport:
+    """The soak's figures and its verdict on every guarantee."""
+    rss1 = rss_bytes()
+    v = rig.violations
+    report = SoakReport(
+        transport=transport, lookups=track.done, seconds=round(time.perf_counter() - track.t_start, 1),
+        outcomes=dict(tally.outcomes), faults=dict(track.faults), wrong_hits=len(v.wrong), stale_hits=len(v.stale),
+        max_call_ms=round(track.max_call * 1000, 2), calls_over_bound=len(v.slow_calls),
+        blocking_call_ms=_percentiles(track.blocking_calls), max_late_ms=round(track.max_late * 1000, 2),
+        pending_left_rounds=len(v.pending_left),
+        rss_growth_mb=round((rss1 - (track.rss0 or rss1)) / 2**20, 2),
+        max_recovery_s=round(max(track.recoveries), 3) if track.recoveries else None,
+        recoveries_failed=track.recoveries_failed, timeout_ms=timeout_ms, ok=False,
+        examples={k: list(getattr(v, k))[:5] for k in ("wrong", "stale", "slow_calls", "late_answers",
+                                                        "pending_left")})
+    report.ok = (v.empty() and track.recoveries_failed == 0 and report.rss_growth_mb < 10
+                 and (report.max_recovery_s or 0) < 5.0 and rig.client.pending == 0)
     return report
 
 
-def _percentiles(values: "array.array[float]") -> dict[str, float]:
+def _percentiles(values: array.array[float]) -> dict[str, float]:
     ordered = sorted(values)
     if not ordered:
         return {}
@@ -436,13 +532,13 @@ def _percentiles(values: "array.array[float]") -> dict[str, float]:
             "max": round(ordered[-1] * 1000, 3)}
 
 
-def _inject(fault: str, rig: FaultRig, rng: random.Random, ids: list[str], batch: list[WorkloadRequest],
-            work: list[WorkloadRequest], submitted: dict[str, float]) -> Callable[[], None] | None:
+def _inject(fault: str, rig: FaultRig, plan: SoakPlan, rnd: _Round,
+            work: list[WorkloadRequest]) -> Callable[[], None] | None:
     """Start ``fault`` while the round's lookups are in flight; returns what clears it (or None).
 
     Lookups the fault restarts (a reset drops them, a reused id replaces them) get their new submit time.
     """
-    client = rig.client
+    client, ids, batch, submitted = rig.client, rnd.ids, rnd.batch, rnd.submitted
     if fault == "server_pause":
         rig.server.pause()
         return rig.server.resume
@@ -469,7 +565,7 @@ def _inject(fault: str, rig: FaultRig, rng: random.Random, ids: list[str], batch
         return None
     if fault == "id_reuse":  # the same ids come back with other prompts: the old answers must not be served
         for i, rid in enumerate(ids[: len(ids) // 2]):
-            other = work[rng.randrange(len(work))]
+            other = work[plan.replacement()]
             client.discard(rid)
             batch[i] = other
             submitted[rid] = client.start(rid, other.num_tokens, other.block_hashes).rec.t_submit
@@ -478,10 +574,11 @@ def _inject(fault: str, rig: FaultRig, rng: random.Random, ids: list[str], batch
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m mooncake_lookout.connector.soak``: run a soak and print its figures (exit 1 if a guarantee broke)."""
-    p = argparse.ArgumentParser(prog="python -m mooncake_lookout.connector.soak", description=__doc__.split("\n\n")[0])
+    """``python -m mooncake_lookout.connector.rigs.soak``: run a soak, print its figures (1 if a guarantee broke)."""
+    p = argparse.ArgumentParser(prog="python -m mooncake_lookout.connector.rigs.soak",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--lookups", type=int, default=100_000)
-    p.add_argument("--transport", choices=("pipelined", "upstream"), default="pipelined")
+    p.add_argument("--transport", choices=TRANSPORTS, default=PIPELINED)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fault-rate", type=float, default=0.02, help="share of rounds that carry a fault")
     p.add_argument("--timeout-ms", type=float, default=50.0)
@@ -498,8 +595,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0 if report.ok else 1
 
 
-__all__ = ["CallBudget", "FAULTS", "FaultRig", "SoakReport", "Tally", "Violations", "main", "poll_until", "rss_bytes",
-           "run_soak"]
+__all__ = ["CallBudget", "FAULTS", "FaultRig", "SoakPlan", "SoakReport", "Tally", "Violations", "main", "poll_until",
+           "rss_bytes", "run_soak"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,7 +20,8 @@ Upstream weaknesses this harness keeps visible rather than hides:
   left alone (its socket too) and ``stop`` returns False.
 
 The IPC path is ``ipc://{VLLM_RPC_BASE_PATH}/lookup_rpc_port_{port}_host_{hostname}_dp_rank{dp}``:
-:func:`private_rpc_base_path` points ``VLLM_RPC_BASE_PATH`` at a fresh 0700 folder, and
+:func:`~mooncake_lookout.connector.rigs.rpc_base_path.private_rpc_base_path` points ``VLLM_RPC_BASE_PATH``
+at a fresh 0700 folder, and
 :func:`lookup_vllm_config` builds the minimal real ``VllmConfig`` that names the port and dp rank.
 Importing this module imports vLLM (8-10 s cold).
 """
@@ -29,12 +30,11 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
 import threading
 import time
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import zmq
 from vllm.config import DeviceConfig, KVTransferConfig, VllmConfig
@@ -49,12 +49,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import (
 )
 
 from mooncake_lookout.connector.job import LookupResult
-from mooncake_lookout.connector.prefix_index import PrefixIndex, StoreError
+from mooncake_lookout.connector.server.prefix_index import PrefixIndex, StoreError
 
 logger = logging.getLogger(__name__)
 
 ON_STORE_ERROR = ("miss", "raise")
-RPC_BASE_PATH_ENV = "VLLM_RPC_BASE_PATH"
 
 
 def to_vllm_result(result: LookupResult) -> MooncakeLookupResult:
@@ -114,27 +113,6 @@ def lookup_vllm_config(lookup_rpc_port: int = 0, *, data_parallel_index: int = 0
     return cfg
 
 
-@contextmanager
-def private_rpc_base_path() -> Iterator[str]:
-    """Point ``VLLM_RPC_BASE_PATH`` at a fresh folder only this user can enter (0700), then remove it.
-
-    vLLM reads the variable each time it builds an IPC path (until ``envs.enable_envs_cache()``), so
-    servers and clients built inside the block meet in the private folder.
-    """
-    saved = os.environ.get(RPC_BASE_PATH_ENV)
-    path = tempfile.mkdtemp(prefix="lookout-rpc-")
-    os.chmod(path, 0o700)
-    os.environ[RPC_BASE_PATH_ENV] = path
-    try:
-        yield path
-    finally:
-        if saved is None:
-            os.environ.pop(RPC_BASE_PATH_ENV, None)
-        else:
-            os.environ[RPC_BASE_PATH_ENV] = saved
-        shutil.rmtree(path, ignore_errors=True)
-
-
 class UpstreamLookupServer:
     """vLLM's real ``LookupKeyServer`` over a prefix index, started and stopped cleanly.
 
@@ -148,7 +126,7 @@ class UpstreamLookupServer:
         self.address = get_zmq_rpc_path_lookup(vllm_config)
         self.server: LookupKeyServer | None = None
 
-    def start(self) -> "UpstreamLookupServer":
+    def start(self) -> UpstreamLookupServer:
         """Bind the server (vLLM's constructor starts its thread)."""
         if self.server is None:
             self.server = LookupKeyServer(self.worker, self.vllm_config)
@@ -200,7 +178,7 @@ class UpstreamLookupServer:
             sock.close(linger=0)
             ctx.term()
 
-    def __enter__(self) -> "UpstreamLookupServer":
+    def __enter__(self) -> UpstreamLookupServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -219,7 +197,6 @@ __all__ = [
     "PrefixIndexStoreWorker",
     "UpstreamLookupServer",
     "lookup_vllm_config",
-    "private_rpc_base_path",
     "serve_upstream",
     "to_vllm_result",
 ]

@@ -10,8 +10,8 @@ Tests, the demo and the bench build their requests here; the same arguments give
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 HASH_BYTES = 32
 ROOT_HASH = bytes(HASH_BYTES)  # parent of every first block

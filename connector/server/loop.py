@@ -3,8 +3,8 @@
 Why: vLLM's ``LookupKeyServer`` answers one lookup at a time with one store call each, and dies on a
 malformed frame. This server
 
-* answers both our ``pipelined`` protocol (:mod:`.protocol`, DEALER clients) and vLLM 0.33's own wire
-  format (REQ clients, :mod:`.upstream_wire`) on the same socket, so it drops in for vLLM's server;
+* answers both our ``pipelined`` protocol (:mod:`..wire.pipelined`, DEALER clients) and vLLM 0.33's own wire
+  format (REQ clients, :mod:`..wire.upstream`) on the same socket, so it drops in for vLLM's server;
 * validates every frame and answers anything malformed, truncated, oversized or of another version with
   an error reply, then keeps serving;
 * runs store calls on a small pool (``workers``) and, when the backend has ``lookup_many``, coalesces
@@ -13,33 +13,35 @@ malformed frame. This server
   until it is done, so no lookup straddles a wipe.
 
 Threads: one IO thread owns the ROUTER and the request queue; pool threads only call the backend and
-hand results back through a ``queue.SimpleQueue`` plus a :class:`~.waker.Waker`. ``close()`` from any
+hand results back through a ``queue.SimpleQueue`` plus a :class:`~..waker.Waker`. ``close()`` from any
 thread sets a flag and wakes the IO thread, which closes its own socket.
 """
 
 from __future__ import annotations
 
 import collections
-import errno
 import logging
 import os
 import queue
 import shutil
-import socket
-import stat
 import tempfile
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
+from typing import Any
 
 import zmq
 
-from mooncake_lookout.connector import protocol
-from mooncake_lookout.connector import upstream_wire
+from mooncake_lookout.connector.addresses import prepare_ipc_path
 from mooncake_lookout.connector.job import LookupResult
+from mooncake_lookout.connector.server.backend import LookupBackend
+from mooncake_lookout.connector.server.observer import ServerObserver, ServerStats
+from mooncake_lookout.connector.transport.names import PIPELINED, UPSTREAM
 from mooncake_lookout.connector.waker import Waker
+from mooncake_lookout.connector.wire import pipelined as protocol
+from mooncake_lookout.connector.wire import upstream as upstream_wire
 
 logger = logging.getLogger(__name__)
 
@@ -49,72 +51,8 @@ HARD_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _RECV_BURST = 1024  # messages read per loop turn before completions are looked at again
 _HWM = 100_000  # messages queued per peer and direction; past it ZMQ holds off reading (or drops replies)
 
-WIRE_PIPELINED = "pipelined"
-WIRE_UPSTREAM = "upstream"
-
-
-@runtime_checkable
-class LookupBackend(Protocol):
-    """What the server asks: a prefix lookup and a wipe. vLLM's store worker and our PrefixIndex both fit."""
-
-    def lookup(self, num_tokens: int, hashes: Sequence[bytes]) -> LookupResult: ...
-
-    def reset(self) -> Any: ...
-
-
-@runtime_checkable
-class BatchLookupBackend(LookupBackend, Protocol):
-    """A backend that answers many lookups with one store call; an exception in the list is that lookup's error."""
-
-    def lookup_many(self, queries: Sequence[tuple[int, Sequence[bytes]]]) -> list[Any]: ...
-
-
-class ServerObserver:
-    """Hooks for the server's telemetry, all called on the IO thread; override what you need.
-
-    ``status`` values are ``metrics.catalogue.SERVER_STATUSES``: ``ok`` (hits and misses), ``error``
-    (the store failed), ``bad_request`` (the frame was refused).
-    """
-
-    def queue_depth(self, depth: int) -> None:
-        """Lookups received and not yet answered."""
-
-    def inflight(self, calls: int) -> None:
-        """Store calls running right now."""
-
-    def store_call(self, batch_size: int, seconds: float, failed: bool) -> None:
-        """One store call ended (``failed``: it raised or returned an error for some lookup)."""
-
-    def answered(self, status: str) -> None:
-        """One request was answered."""
-
-
-@dataclass
-class ServerStats(ServerObserver):
-    """Plain counters of what the server did (tests, ``doctor``, logs); always kept."""
-
-    answered_by_status: dict[str, int] = field(default_factory=lambda: collections.Counter())
-    store_calls: int = 0
-    store_errors: int = 0
-    coalesced_lookups: int = 0
-    max_batch: int = 0
-    max_inflight: int = 0
-    depth: int = 0
-
-    def queue_depth(self, depth: int) -> None:
-        self.depth = depth
-
-    def inflight(self, calls: int) -> None:
-        self.max_inflight = max(self.max_inflight, calls)
-
-    def store_call(self, batch_size: int, seconds: float, failed: bool) -> None:
-        self.store_calls += 1
-        self.coalesced_lookups += batch_size
-        self.max_batch = max(self.max_batch, batch_size)
-        self.store_errors += failed
-
-    def answered(self, status: str) -> None:
-        self.answered_by_status[status] += 1
+WIRE_PIPELINED = PIPELINED
+WIRE_UPSTREAM = UPSTREAM
 
 
 _METRIC_STATUS = {protocol.OK: "ok", protocol.MISS: "ok", protocol.ERROR: "error",
@@ -131,36 +69,6 @@ class _Request:
     request_id: int = protocol.UNKNOWN_ID
     num_tokens: int = 0
     hashes: list[bytes] = field(default_factory=list)
-
-
-def prepare_ipc_path(path: str) -> None:
-    """Make ``path``'s directory private (create it 0700, or refuse one others can enter); drop a stale socket."""
-    parent = os.path.dirname(os.path.abspath(path)) or "."
-    if not os.path.isdir(parent):
-        os.makedirs(parent, mode=0o700, exist_ok=True)
-        os.chmod(parent, 0o700)
-    st = os.stat(parent)
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise PermissionError(
-            f"IPC directory {parent} must be owned by uid {os.getuid()} with mode 0700 "
-            f"(is uid {st.st_uid}, mode {oct(st.st_mode & 0o777)}); use a private directory")
-    if os.path.lexists(path):
-        if not stat.S_ISSOCK(os.lstat(path).st_mode):
-            raise FileExistsError(f"{path} exists and is not a socket; refusing to replace it")
-        if _someone_listens(path):
-            raise OSError(errno.EADDRINUSE, f"a server already listens on {path}")
-        os.unlink(path)
-
-
-def _someone_listens(path: str) -> bool:
-    """True if a process accepts connections on the Unix socket ``path`` (a stale file refuses them)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(0.5)
-        try:
-            probe.connect(path)
-        except OSError:
-            return False
-        return True
 
 
 class LookupServer:
@@ -205,7 +113,7 @@ class LookupServer:
             raise RuntimeError("the lookup server is not started")
         return self._address
 
-    def start(self) -> "LookupServer":
+    def start(self) -> LookupServer:
         """Bind the socket (errors raise here, naming the address) and start serving."""
         if self._thread is not None:
             raise RuntimeError("the lookup server is already started")
@@ -273,7 +181,7 @@ class LookupServer:
             shutil.rmtree(self._private_dir, ignore_errors=True)
             self._private_dir = None
 
-    def __enter__(self) -> "LookupServer":
+    def __enter__(self) -> LookupServer:
         return self.start() if self._thread is None else self
 
     def __exit__(self, *exc: object) -> None:
@@ -489,5 +397,4 @@ def _reason(result: Any) -> str:
     return f"backend returned {type(result).__name__}, not a LookupResult"
 
 
-__all__ = ["BatchLookupBackend", "LookupBackend", "LookupServer", "ServerObserver", "ServerStats",
-           "prepare_ipc_path"]
+__all__ = ["HARD_MAX_MESSAGE_BYTES", "LookupServer"]

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import re
 import threading
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from mooncake_lookout.connector.job import MISS, LookupResult
 

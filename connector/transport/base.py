@@ -7,8 +7,7 @@ must never block; every other socket operation happens on the transport's thread
 from __future__ import annotations
 
 import abc
-
-from typing import Callable
+from collections.abc import Callable
 
 from mooncake_lookout.connector.job import LookupJob
 

@@ -23,16 +23,18 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Callable, Union
+from typing import Union
 
 import zmq
 
-from mooncake_lookout.connector import protocol
 from mooncake_lookout.connector.events import Outcome
 from mooncake_lookout.connector.job import Answer, LookupJob
+from mooncake_lookout.connector.transport.base import Transport, TransportClosed
+from mooncake_lookout.connector.transport.names import PIPELINED
 from mooncake_lookout.connector.waker import Waker
-from mooncake_lookout.connector.transport import Transport, TransportClosed
+from mooncake_lookout.connector.wire import pipelined as protocol
 
 logger = logging.getLogger(__name__)
 
@@ -52,14 +54,14 @@ _Item = Union[LookupJob, _Reset, object]
 
 
 class PipelinedTransport(Transport):
-    """Carries lookups to a :class:`~mooncake_lookout.connector.server.LookupServer` over DEALER/ROUTER.
+    """Carries lookups to a :class:`~mooncake_lookout.connector.server.loop.LookupServer` over DEALER/ROUTER.
 
     ``address``: a ZMQ endpoint (``ipc://...`` or ``tcp://127.0.0.1:PORT``). ``timeout_s``: how long the
     server may stay silent while a lookup waits before the socket is rebuilt (jobs keep their own
     deadlines). ``on_late_reply`` is called (on the IO thread) for every reply dropped as late or unknown.
     """
 
-    name = "pipelined"
+    name = PIPELINED
 
     def __init__(self, address: str, *, timeout_s: float, on_late_reply: Callable[[], None] | None = None,
                  on_rebuild: Callable[[], None] | None = None, max_inflight: int = 65_536) -> None:

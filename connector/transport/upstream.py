@@ -11,15 +11,17 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Callable, Union
+from typing import Union
 
 import zmq
 
-from mooncake_lookout.connector import upstream_wire as wire
 from mooncake_lookout.connector.events import Outcome
 from mooncake_lookout.connector.job import Answer, LookupJob
-from mooncake_lookout.connector.transport import Transport, TransportClosed
+from mooncake_lookout.connector.transport.base import Transport, TransportClosed
+from mooncake_lookout.connector.transport.names import UPSTREAM
+from mooncake_lookout.connector.wire import upstream as wire
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +35,7 @@ class UpstreamTransport(Transport):
     ``address`` is a ZMQ endpoint (``ipc://...`` as vLLM derives it, or ``tcp://127.0.0.1:PORT``).
     """
 
-    name = "upstream"
+    name = UPSTREAM
 
     def __init__(self, address: str, *, on_rebuild: Callable[[], None] | None = None) -> None:
         self.address = address

@@ -29,7 +29,7 @@ A request whose header cannot be read at all is answered with ``request_id`` :da
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import msgspec
 

@@ -11,7 +11,7 @@ store failed. vLLM's client cannot decode it and logs a failed lookup (a miss, a
 from __future__ import annotations
 
 import struct
-from typing import Sequence
+from collections.abc import Sequence
 
 from mooncake_lookout.connector.events import Outcome
 from mooncake_lookout.connector.job import Answer, LookupResult, TailKeyBoundary
