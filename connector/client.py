@@ -27,16 +27,20 @@ Every method is called from one thread (vLLM's engine-core thread); no state her
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from mooncake_lookout.connector.breaker import CircuitBreaker
 from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.events import LookupObserver, LookupRecord, ObserverSet, Outcome
 from mooncake_lookout.connector.job import Answer, LookupJob, LookupResult
-from mooncake_lookout.connector.transport import Transport, TransportClosed
+from mooncake_lookout.connector.transport.base import Transport, TransportClosed
 from mooncake_lookout.connector.wait_budget import WaitBudget
+
+logger = logging.getLogger(__name__)
 
 _Key = tuple[int, int, bytes]
 
@@ -72,10 +76,10 @@ class LookupClient:
             transport.on_late_reply = self.observers.late_reply
         self.breaker = CircuitBreaker(
             config.lookup_breaker_failures, config.lookup_breaker_cooldown_s,
-            probe_timeout_s=config.timeout_s, on_change=self.observers.breaker_changed)
+            probe_timeout_s=config.timeout_s, on_change=self._breaker_changed)
         self.budget = WaitBudget(config.wait_s, share=config.lookup_wait_auto_share)
         self.generation = 0
-        self.pending = 0  # lookups submitted and not yet answered to the caller (queued or in flight)
+        self.pending = 0  # lookups submitted and not yet answered to the caller (what the pending gauge shows)
         self._entries: dict[str, _Entry] = {}
         self._unsent: list[LookupJob] = []
         self._held: OrderedDict[str, None] = OrderedDict()  # answered entries kept for retries, oldest first
@@ -86,13 +90,23 @@ class LookupClient:
         self._closed = False
 
     @classmethod
-    def from_vllm_config(cls, vllm_config: Any, *, observer: LookupObserver | None = None) -> "LookupClient":
+    def from_vllm_config(cls, vllm_config: Any, *, observer: LookupObserver | None = None) -> LookupClient:
         """Build the client the way vLLM's connector would: config from ``kv_connector_extra_config``."""
         from mooncake_lookout.connector.addresses import lookup_address
-        from mooncake_lookout.connector.transports import make_transport
+        from mooncake_lookout.connector.transport import make_transport
 
         config = LookupConfig.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
         return cls(config, make_transport(config, lookup_address(vllm_config, config)), observer=observer)
+
+    def _breaker_changed(self, is_open: bool) -> None:
+        # Logged at WARNING both ways; it changes at most once per cool-down, which bounds the rate.
+        if is_open:
+            logger.warning("lookup circuit breaker OPEN after %d consecutive failures (timeouts, errors): lookups "
+                           "answer a miss at once for %.1f s, then one probe decides",
+                           self.config.lookup_breaker_failures, self.config.lookup_breaker_cooldown_s)
+        else:
+            logger.warning("lookup circuit breaker closed: a probe was answered, lookups go to the server again")
+        self.observers.breaker_changed(is_open)
 
     @property
     def held(self) -> int:
@@ -105,7 +119,10 @@ class LookupClient:
         """The hit for ``req_id``, or ``None`` while it is pending (``non_block``: ask again on a later step)."""
         called = time.perf_counter()
         entry = self.start(req_id, num_tokens, block_hashes, trace_headers=trace_headers, admission=non_block)
-        if entry is None:  # at the pending bound: not started yet; asked again next step, when room has freed
+        if entry is None:  # at the pending bound: answers that came may free room, else ask again next step
+            self._tick(non_block)
+            entry = self.start(req_id, num_tokens, block_hashes, trace_headers=trace_headers, admission=non_block)
+        if entry is None:
             rec = LookupRecord(req_id, num_tokens, len(block_hashes), self.transport.name, self.generation, called,
                                deferrals=1)
             self.observers.deferred(rec)
@@ -147,7 +164,7 @@ class LookupClient:
             self._drop(req_id, entry)
             entry = None
         if entry is None:
-            if admission and self.pending >= self.config.lookup_max_pending:
+            if admission and self._awaiting() >= self.config.lookup_max_pending:
                 return None
             entry = self._submit(req_id, num_tokens, block_hashes, key, trace_headers)
         return entry
@@ -212,7 +229,7 @@ class LookupClient:
         probe = False
         if self._closed:
             refused = Outcome.ERROR
-        elif self.pending >= self.config.lookup_max_pending:
+        elif self._awaiting() >= self.config.lookup_max_pending:
             refused = Outcome.REJECTED
         elif not self.breaker.allow():
             refused = Outcome.BREAKER_OPEN
@@ -229,6 +246,19 @@ class LookupClient:
             self._unsent.append(job)  # type: ignore[arg-type]
         return entry
 
+    def _awaiting(self) -> int:
+        """Lookups awaiting an answer (queued here or in the transport, or in flight): what the bound counts."""
+        return len(self._unsent) + self.transport.awaiting
+
+    def _tick(self, non_block: bool) -> None:
+        """This step's send and drain, if not done yet: the first call of a step sends every lookup started
+        since the last send and collects every answer that has arrived."""
+        if not (self._stepped and non_block and self._sent_this_step) and self._unsent:
+            self._flush(urgent=not non_block)
+        if not (self._stepped and self._drained_this_step):
+            self._drained_this_step = True
+            self.transport.collect()
+
     def _flush(self, *, urgent: bool = False) -> None:
         """Send every unsent lookup, in one frame where the protocol allows."""
         if not self._unsent:
@@ -243,14 +273,12 @@ class LookupClient:
 
     def _await(self, job: LookupJob, non_block: bool, called: float) -> None:
         """Send the step's lookups if due, collect arrived answers, and wait as much as this call may."""
-        stepped = self._stepped
-        if job.sent_at is None and job.answer is None:
-            if not (stepped and non_block and self._sent_this_step) or self.budget.left() > 0:
-                self._flush(urgent=not non_block)
+        if job.sent_at is None and job.answer is None and self.budget.left() > 0:
+            self._flush(urgent=not non_block)  # a wait is allowed: send now, whatever was sent this step
+        self._tick(non_block)
         now = time.perf_counter()
-        if not (stepped and self._drained_this_step) or job.expired(now):
-            self._drained_this_step = True
-            self.transport.collect()
+        if job.answer is None and job.expired(now):
+            self.transport.collect()  # its deadline passed since the step's drain: time it out now
         if job.answer is not None:
             return
         if non_block:

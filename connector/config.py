@@ -2,18 +2,27 @@
 
 Keys come from vLLM's ``kv_connector_extra_config``. Keys starting with ``lookup_`` belong to us and
 must be known; any other key belongs to upstream's connector and passes through untouched.
+
+Each key is declared once, as a field of :class:`LookupConfig` (its type, default, meaning, check and
+the rule the check enforces); :data:`KEYS` is read off those fields, so the two cannot disagree.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, TypeVar
+
+from mooncake_lookout.connector.transport.names import PIPELINED, TRANSPORTS, UPSTREAM
 
 PREFIX = "lookup_"
-TRANSPORTS = ("upstream", "pipelined")
 # Upstream's own lookup_* key (vLLM 0.33): it names the IPC path of the lookup channel.
 UPSTREAM_KEYS = frozenset({"lookup_rpc_port"})
+_META = "lookout_key"  # where a field keeps its meaning, check and rule (dataclasses field metadata)
+
+_T = TypeVar("_T")
 
 
 class ConfigError(ValueError):
@@ -33,71 +42,25 @@ class Key:
     words: tuple[str, ...] = ()  # strings accepted besides values of ``kind`` (``auto``)
 
 
-KEYS: tuple[Key, ...] = (
-    Key("lookup_async", False, bool,
-        "upstream's switch: defer with `None` instead of blocking the scheduler"),
-    Key("lookup_wait_us", 0, int,
-        "in async mode, how long the scheduler may wait for pending answers before deferring, per step "
-        "(shared by all lookup calls of one step); `auto` follows the measured round trip, capped by "
-        "`lookup_wait_auto_share` of the step interval",
-        lambda v: v == "auto" or 0 <= v <= 100_000, "0..100000 or auto", words=("auto",)),
-    Key("lookup_wait_auto_share", 0.25, float,
-        "with `lookup_wait_us: auto`: the largest share of the measured step interval the scheduler may "
-        "wait; past it, it defers at once",
-        lambda v: 0 < v <= 0.9, "> 0 and <= 0.9"),
-    Key("lookup_timeout_ms", 100.0, float,
-        "deadline of one lookup, from when it is sent (time queued in the client is not the server's); "
-        "then a miss, counted as a timeout; also bounds a blocking call",
-        lambda v: 0 < v <= 60_000, "> 0 and <= 60000"),
-    Key("lookup_max_pending", 1024, int,
-        "lookups queued or in flight; past it, an immediate miss counted as rejected (a lookup at "
-        "admission is then not started yet)",
-        lambda v: 1 <= v <= 1_000_000, "1..1000000"),
-    Key("lookup_max_held", 16384, int,
-        "answers held for requests not yet allocated; past it the oldest is forgotten (asked again if needed)",
-        lambda v: 1 <= v <= 10_000_000, "1..10000000"),
-    Key("lookup_answer_ttl_ms", 5000.0, float,
-        "a held answer older than this (from when it was sent) is asked again; keep it at most half the "
-        "master's `--default_kv_lease_ttl` (10 s by default), so a served hit is still leased when it loads",
-        lambda v: 0 < v <= 3_600_000, "> 0 and <= 3600000"),
-    Key("lookup_reset_timeout_s", 60.0, float,
-        "how long `reset` (vLLM's `reset_prefix_cache`) waits for the server to wipe the store",
-        lambda v: 0 < v <= 3600, "> 0 and <= 3600"),
-    Key("lookup_breaker_failures", 5, int,
-        "consecutive failures (timeouts, errors) that open the circuit breaker",
-        lambda v: 1 <= v <= 10_000, "1..10000"),
-    Key("lookup_breaker_cooldown_s", 5.0, float,
-        "how long an open breaker answers misses at once before it lets one probe through",
-        lambda v: 0 < v <= 3600, "> 0 and <= 3600"),
-    Key("lookup_transport", "pipelined", str,
-        "`pipelined` (ours: a step's lookups in one frame, answered with one store call; the worker's "
-        "rank 0 serves it) or `upstream` (vLLM's own lookup server, one lookup in flight)",
-        lambda v: v in TRANSPORTS, " or ".join(TRANSPORTS)),
-    Key("lookup_on_admission", True, bool,
-        "start the lookup when the request arrives (`on_new_request`), not at its first scheduling"),
-    Key("lookup_server_address", "", str,
-        "pipelined transport: ZMQ address of the lookup server; empty derives a private IPC path "
-        "from vLLM's config", lambda v: v == "" or v.startswith(("ipc://", "tcp://")), "'', ipc://... or tcp://..."),
-)
-KEYS_BY_NAME: dict[str, Key] = {k.name: k for k in KEYS}
+def _key(default: _T, doc: str, check: Callable[[Any], bool] = lambda v: True, rule: str = "",
+         words: tuple[str, ...] = ()) -> _T:
+    """A :class:`LookupConfig` field: its default, meaning, check and the rule the check enforces."""
+    info = {"doc": doc, "check": check, "rule": rule, "words": words}
+    return dataclasses.field(default=default, metadata={_META: info})
 
 
 def _coerce(key: Key, value: Any) -> Any:
     """Accept JSON-ish values (ints for floats, no strings for numbers, real bools only)."""
     if isinstance(value, str) and value in key.words:
         return value
-    if key.kind is bool:
-        if isinstance(value, bool):
-            return value
-    elif key.kind is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif key.kind is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif key.kind is str:
-        if isinstance(value, str):
-            return value
+    if key.kind is bool and isinstance(value, bool):
+        return value
+    if key.kind is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if key.kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if key.kind is str and isinstance(value, str):
+        return value
     raise ConfigError(
         f"kv_connector_extra_config[{key.name!r}] must be {key.kind.__name__}, got {value!r}"
     )
@@ -107,19 +70,54 @@ def _coerce(key: Key, value: Any) -> Any:
 class LookupConfig:
     """Validated lookup settings; build it with :meth:`from_extra_config`, never by hand in production."""
 
-    lookup_async: bool = False
-    lookup_wait_us: int | str = 0
-    lookup_wait_auto_share: float = 0.25
-    lookup_timeout_ms: float = 100.0
-    lookup_max_pending: int = 1024
-    lookup_max_held: int = 16384
-    lookup_answer_ttl_ms: float = 5000.0
-    lookup_reset_timeout_s: float = 60.0
-    lookup_breaker_failures: int = 5
-    lookup_breaker_cooldown_s: float = 5.0
-    lookup_transport: str = "pipelined"
-    lookup_on_admission: bool = True
-    lookup_server_address: str = ""
+    lookup_async: bool = _key(
+        False, "upstream's switch: defer with `None` instead of blocking the scheduler")
+    lookup_wait_us: int | str = _key(
+        0, "in async mode, how long the scheduler may wait for pending answers before deferring, per step "
+           "(shared by all lookup calls of one step); `auto` follows the measured round trip, capped by "
+           "`lookup_wait_auto_share` of the step interval",
+        lambda v: v == "auto" or 0 <= v <= 100_000, "0..100000 or auto", words=("auto",))
+    lookup_wait_auto_share: float = _key(
+        0.25, "with `lookup_wait_us: auto`: the largest share of the measured step interval the scheduler may "
+              "wait; past it, it defers at once",
+        lambda v: 0 < v <= 0.9, "> 0 and <= 0.9")
+    lookup_timeout_ms: float = _key(
+        100.0, "deadline of one lookup, from when it is sent (time queued in the client is not the server's); "
+               "then a miss, counted as a timeout; also bounds a blocking call",
+        lambda v: 0 < v <= 60_000, "> 0 and <= 60000")
+    lookup_max_pending: int = _key(
+        1024, "lookups queued or in flight; past it, an admission starts none and a non-blocking ask defers, "
+              "a blocking ask gets an immediate miss counted as rejected",
+        lambda v: 1 <= v <= 1_000_000, "1..1000000")
+    lookup_max_held: int = _key(
+        16384, "answers held for requests not yet allocated; past it the oldest is forgotten (asked again "
+               "if needed)",
+        lambda v: 1 <= v <= 10_000_000, "1..10000000")
+    lookup_answer_ttl_ms: float = _key(
+        5000.0, "a held answer older than this (from when it was sent) is asked again; keep it at most half "
+                "the master's `--default_kv_lease_ttl` (10 s by default), so a served hit is still leased "
+                "when it loads",
+        lambda v: 0 < v <= 3_600_000, "> 0 and <= 3600000")
+    lookup_reset_timeout_s: float = _key(
+        60.0, "how long `reset` (vLLM's `reset_prefix_cache`) waits for the server to wipe the store",
+        lambda v: 0 < v <= 3600, "> 0 and <= 3600")
+    lookup_breaker_failures: int = _key(
+        5, "consecutive failures (timeouts, errors) that open the circuit breaker",
+        lambda v: 1 <= v <= 10_000, "1..10000")
+    lookup_breaker_cooldown_s: float = _key(
+        5.0, "how long an open breaker answers misses at once before it lets one probe through",
+        lambda v: 0 < v <= 3600, "> 0 and <= 3600")
+    lookup_transport: str = _key(
+        PIPELINED,
+        f"`{PIPELINED}` (ours: a step's lookups in one frame, answered with one store call; the worker's "
+        f"rank 0 serves it) or `{UPSTREAM}` (vLLM's own lookup server, one lookup in flight)",
+        lambda v: v in TRANSPORTS, " or ".join(TRANSPORTS))
+    lookup_on_admission: bool = _key(
+        True, "start the lookup when the request arrives (`on_new_request`), not at its first scheduling")
+    lookup_server_address: str = _key(
+        "", f"{PIPELINED} transport: ZMQ address of the lookup server; empty derives a private IPC path "
+            "from vLLM's config",
+        lambda v: v == "" or v.startswith(("ipc://", "tcp://")), "'', ipc://... or tcp://...")
 
     def __post_init__(self) -> None:
         for key in KEYS:
@@ -138,7 +136,9 @@ class LookupConfig:
     @property
     def wait_s(self) -> float | None:
         """The async wait budget per step, in seconds; ``None`` for ``auto``."""
-        return None if self.lookup_wait_us == "auto" else self.lookup_wait_us / 1e6  # type: ignore[operator]
+        if isinstance(self.lookup_wait_us, str):
+            return None
+        return self.lookup_wait_us / 1e6
 
     @property
     def answer_ttl_s(self) -> float:
@@ -153,7 +153,7 @@ class LookupConfig:
         return "budget" if self.lookup_wait_us == "auto" or self.lookup_wait_us else "async"
 
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "LookupConfig":
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> LookupConfig:
         """Parse our keys out of ``kv_connector_extra_config``; unknown ``lookup_*`` keys fail, naming the key."""
         ours: dict[str, Any] = {}
         for name, value in (extra or {}).items():
@@ -172,19 +172,20 @@ class LookupConfig:
         return dataclasses.asdict(self)
 
 
-def render_config_table() -> str:
-    """The README's configuration table, rendered from :data:`KEYS` (a test keeps the README in step)."""
-    rows = ["| key | default | allowed | meaning |", "| --- | --- | --- | --- |"]
-    for k in KEYS:
-        default = "`" + (repr(k.default) if k.kind is str else str(k.default).lower() if k.kind is bool
-                         else str(k.default)) + "`"
-        allowed = k.rule or k.kind.__name__
-        rows.append(f"| `{k.name}` | {default} | {allowed} | {k.doc} |")
-    return "\n".join(rows)
+def _kind(hint: Any) -> type:
+    """The value type of a field: ``int | str`` (a number, or one of the key's words) is an ``int`` key."""
+    if isinstance(hint, type):
+        return hint
+    return next(t for t in typing.get_args(hint) if t is not str)
 
 
-# The dataclass fields and KEYS must agree; fail at import, not in production.
-assert [f.name for f in dataclasses.fields(LookupConfig)] == [k.name for k in KEYS]
-assert all(f.default == KEYS_BY_NAME[f.name].default for f in dataclasses.fields(LookupConfig))
+def _keys() -> tuple[Key, ...]:
+    kinds = typing.get_type_hints(LookupConfig)
+    return tuple(Key(f.name, f.default, _kind(kinds[f.name]), **f.metadata[_META])
+                 for f in dataclasses.fields(LookupConfig))
 
-__all__ = ["ConfigError", "KEYS", "KEYS_BY_NAME", "Key", "LookupConfig", "TRANSPORTS", "render_config_table"]
+
+KEYS: tuple[Key, ...] = _keys()
+KEYS_BY_NAME: dict[str, Key] = {k.name: k for k in KEYS}
+
+__all__ = ["ConfigError", "KEYS", "KEYS_BY_NAME", "Key", "LookupConfig"]

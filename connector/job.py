@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence, overload
+from typing import overload
 
 from mooncake_lookout.connector.events import LookupObserver, LookupRecord, Outcome
 
@@ -46,7 +47,7 @@ class Answer:
     local: bool = False
 
     @classmethod
-    def from_result(cls, result: LookupResult) -> "Answer":
+    def from_result(cls, result: LookupResult) -> Answer:
         """A successful answer: a hit if any token was found, else a miss."""
         return cls(Outcome.HIT if result.hit_length > 0 else Outcome.MISS, result)
 

@@ -24,7 +24,7 @@ from mooncake_lookout.connector.addresses import lookup_address
 from mooncake_lookout.connector.client import LookupClient
 from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.events import BackgroundObserver, LookupObserver
-from mooncake_lookout.connector.transports import make_transport
+from mooncake_lookout.connector.transport import make_transport
 
 
 def retire_upstream_client(client: Any) -> None:
@@ -36,6 +36,8 @@ def retire_upstream_client(client: Any) -> None:
 
 class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
     """Upstream's scheduler-side connector logic over a deadline-bound, observable lookup client."""
+
+    client: Any  # upstream's LookupKeyClient until __init__ replaces it with our LookupClient
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, *, observer: LookupObserver | None = None) -> None:
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
@@ -52,7 +54,7 @@ class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
         from mooncake_lookout.metrics.tracing import tracing_observer_from_env
         from mooncake_lookout.metrics.vllm_stats import LookupStatsCollector
 
-        self.stats = LookupStatsCollector(config)
+        self.stats = LookupStatsCollector()
         self.observers.add(self.stats)
         self.tracer = tracing_observer_from_env()
         self._tracing: BackgroundObserver | None = None

@@ -14,25 +14,22 @@ path untouched and, with ``lookup_transport: pipelined``, also serves our lookup
 
 from __future__ import annotations
 
-import logging
-import time
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import MooncakeStoreConnector
 
 from mooncake_lookout.connector.config import LookupConfig
-from mooncake_lookout.connector.job import MISS, HashBlob
-from mooncake_lookout.connector.prefix_index import StoreError
-from mooncake_lookout.connector.scheduler_adapter import LookoutMooncakeStoreScheduler, retire_upstream_client
-
-logger = logging.getLogger(__name__)
-
 from mooncake_lookout.connector.plugin import CONNECTOR_NAME
+from mooncake_lookout.connector.scheduler_adapter import LookoutMooncakeStoreScheduler, retire_upstream_client
+from mooncake_lookout.connector.server.worker_backend import serve_pipelined
+from mooncake_lookout.connector.transport.names import PIPELINED
 
 
 class LookoutMooncakeStoreConnector(MooncakeStoreConnector):
     """Upstream's connector; the scheduler's lookups go through mooncake-lookout's client."""
+
+    connector_scheduler: Any  # upstream's scheduler until __init__ replaces it with ours (scheduler role)
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
@@ -45,8 +42,8 @@ class LookoutMooncakeStoreConnector(MooncakeStoreConnector):
             if upstream is not None:
                 retire_upstream_client(upstream.client)
             self.connector_scheduler = LookoutMooncakeStoreScheduler(vllm_config, kv_cache_config)
-        elif self.lookup_config.lookup_transport == "pipelined":
-            self._lookup_server = _serve_pipelined(vllm_config, self.lookup_config, self.connector_worker)
+        elif self.lookup_config.lookup_transport == PIPELINED:
+            self._lookup_server = serve_pipelined(vllm_config, self.lookup_config, self.connector_worker)
 
     @property
     def lookup_client(self) -> Any:
@@ -95,137 +92,4 @@ class LookoutMooncakeStoreConnector(MooncakeStoreConnector):
         super().shutdown()
 
 
-class WorkerBackend:
-    """Our lookup server's backend on a GPU worker: upstream's own ``MooncakeStoreWorker`` key code.
-
-    :meth:`lookup_many` answers a whole batch with ONE ``batch_is_exist``: upstream's ``lookup`` runs twice
-    per query against a stand-in store, first to learn which keys it asks (the stand-in answers "absent"),
-    then to compute the hit from the codes of one real call over the union of those keys. The key layout,
-    rank namespaces, partial-hash and tail-boundary logic stay upstream's. A negative code (Mooncake's
-    store error) is reported as that query's :class:`StoreError`, where upstream would count a miss.
-    """
-
-    def __init__(self, worker: Any) -> None:
-        self.worker = worker
-
-    def lookup(self, num_tokens: int, block_hashes: Any) -> Any:
-        """One lookup, through :meth:`lookup_many` (so store errors are errors here too)."""
-        result = self.lookup_many([(num_tokens, block_hashes)])[0]
-        if isinstance(result, BaseException):
-            raise result
-        return result
-
-    def lookup_many(self, queries: Any) -> list[Any]:
-        """Each query's upstream result, or the :class:`StoreError` it met; one store call in all."""
-        worker = self.worker
-        lookup = type(worker).lookup
-        asked: list[list[str]] = []
-        for num_tokens, hashes in queries:
-            recorder = _KeyRecorder()
-            lookup(_WorkerView(worker, recorder), num_tokens, _vllm_hashes(hashes))
-            asked.append(recorder.keys)
-        union = list(dict.fromkeys(k for keys in asked for k in keys))
-        codes: dict[str, int] = {}
-        if union:
-            t0 = time.perf_counter()
-            try:
-                answer = list(worker.store.batch_is_exist(union))
-                if len(answer) != len(union):
-                    raise StoreError(None, "batch_is_exist", f"{len(answer)} answers for {len(union)} keys")
-            except Exception as e:
-                _record(worker, t0, len(union), failed=len(union))
-                err = e if isinstance(e, StoreError) else StoreError(None, "batch_is_exist", repr(e))
-                return [err if keys else MISS for keys in asked]
-            codes = dict(zip(union, answer))
-            _record(worker, t0, len(union), failed=sum(1 for c in answer if c < 0))
-        out: list[Any] = []
-        for (num_tokens, hashes), keys in zip(queries, asked):
-            bad = next((k for k in keys if codes[k] < 0), None)
-            if bad is not None:
-                out.append(StoreError(codes[bad], "batch_is_exist", f"key {bad}"))
-                continue
-            out.append(lookup(_WorkerView(worker, _CodeStore(codes)), num_tokens, _vllm_hashes(hashes)))
-        return out
-
-    def reset(self) -> bool:
-        """What upstream's server does on reset: drain in-flight puts, then wipe the store."""
-        send_thread = getattr(self.worker, "kv_send_thread", None)
-        if send_thread is not None:
-            send_thread.request_queue.join()
-        self.worker.store.remove_all(force=True)
-        return True
-
-
-class _KeyRecorder:
-    """A stand-in store that notes the keys asked and answers "absent" (first pass)."""
-
-    def __init__(self) -> None:
-        self.keys: list[str] = []
-
-    def batch_is_exist(self, keys: list[str]) -> list[int]:
-        self.keys.extend(keys)
-        return [0] * len(keys)
-
-
-class _CodeStore:
-    """A stand-in store answering from the codes of the one real call (second pass)."""
-
-    def __init__(self, codes: dict[str, int]) -> None:
-        self.codes = codes
-
-    def batch_is_exist(self, keys: list[str]) -> list[int]:
-        return [self.codes[k] for k in keys]
-
-
-class _WorkerView:
-    """The worker as upstream's ``lookup`` sees it, with a stand-in store and no operation recording.
-
-    Reads every other attribute from the real worker (never writes), so the transfer threads that use the
-    real store are untouched.
-    """
-
-    def __init__(self, worker: Any, store: Any) -> None:
-        self._worker = worker
-        self.store = store
-
-    def _record_kv_connector_operation(self, *args: Any, **kwargs: Any) -> None:
-        """Recorded once for the real call instead (``_record``)."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._worker, name)
-
-
-def _vllm_hashes(hashes: Any) -> Any:
-    """Hashes as upstream's lookup takes them: vLLM's ``BlobBlockHashes`` over a concatenated blob."""
-    if isinstance(hashes, HashBlob):
-        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import BlobBlockHashes
-
-        return BlobBlockHashes(hashes.blob, hashes.hash_len)
-    return hashes
-
-
-def _record(worker: Any, t0: float, keys: int, failed: int) -> None:
-    """Upstream's ``lookup_exists`` operation record (its store metrics), once per real call."""
-    record = getattr(worker, "_record_kv_connector_operation", None)
-    if record is None:
-        return
-    if failed:
-        record("lookup_exists", time.perf_counter() - t0, keys, status="error", num_failed_keys=failed)
-    else:
-        record("lookup_exists", time.perf_counter() - t0, keys)
-
-
-def _serve_pipelined(vllm_config: Any, config: LookupConfig, worker: Any) -> Any:
-    """On the rank that runs upstream's lookup server, also run ours (pipelined) over the worker's lookup."""
-    if worker is None or getattr(worker, "lookup_server", None) is None:
-        return None
-    from mooncake_lookout.connector.addresses import pipelined_lookup_address
-    from mooncake_lookout.connector.server import LookupServer
-
-    server = LookupServer(WorkerBackend(worker), pipelined_lookup_address(vllm_config, config))
-    server.start()
-    logger.info("mooncake-lookout pipelined lookup server on %s", server.address)
-    return server
-
-
-__all__ = ["CONNECTOR_NAME", "LookoutMooncakeStoreConnector", "WorkerBackend"]
+__all__ = ["CONNECTOR_NAME", "LookoutMooncakeStoreConnector"]

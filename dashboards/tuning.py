@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 from grafana_foundation_sdk.builders import dashboard as db
-from grafana_foundation_sdk.models import dashboard as dm
 
 from mooncake_lookout.connector.config import KEYS_BY_NAME
 from mooncake_lookout.metrics import catalogue as c
@@ -18,11 +17,10 @@ from mooncake_lookout.metrics import catalogue as c
 import known_metrics as km
 import queries as q
 from panels import Panels, Query
-from variables import link_to, variables
+from variables import link_to, new_dashboard
 
 UID = "mooncake-lookout-tuning"
 TITLE = "Mooncake lookups / Tuning lookup_async"
-TAGS = ["mooncake-lookout", "vllm", "mooncake"]
 BY_MODE = ("mode", "instance")
 BY_INSTANCE = ("instance",)
 QUANTILES = (0.5, 0.95, 0.99)
@@ -39,7 +37,8 @@ HOW_TO_READ = f"""\
 Read the rows below from left to right: **blocked time** is what every other request pays (the step is
 longer), **deferred steps** is what this request pays (it waits a step even on a miss), **lookup delay** is
 the whole wait from submit to use. Defaults: `lookup_async={KEYS_BY_NAME["lookup_async"].default}`,
-`lookup_wait_us={KEYS_BY_NAME["lookup_wait_us"].default}`, `lookup_timeout_ms={KEYS_BY_NAME["lookup_timeout_ms"].default:g}`.
+`lookup_wait_us={KEYS_BY_NAME["lookup_wait_us"].default}`, \
+`lookup_timeout_ms={KEYS_BY_NAME["lookup_timeout_ms"].default:g}`.
 """
 
 WHAT_TO_CHANGE = """\
@@ -47,8 +46,9 @@ WHAT_TO_CHANGE = """\
   on the store: switch to `lookup_async: true` (with a budget if deferrals then hurt).
 * **Deferred steps p95 >= 2 in async mode** - answers come later than one step: look at the round trip and
   the server queue on the Overview; use the `pipelined` transport if lookups queue behind each other.
-* **Round trip p95 below one step (~1 ms)** - set `lookup_wait_us` to about the round-trip p95 (in us):
-  most answers then arrive inside the budget and defer 0 steps, while blocked time stays bounded.
+* **Round trip p95 below one step (~1 ms)** - set `lookup_wait_us: auto` (it follows the round trip's p90,
+  capped by `lookup_wait_auto_share` of the step) or a fixed budget near the round-trip p95 (in us): most
+  answers then arrive inside the budget and defer 0 steps, while blocked time stays bounded.
 * **Delay minus round trip is large** - the answer was ready but the request waited for its next step.
 """
 
@@ -62,8 +62,9 @@ def _panels(p: Panels) -> list[tuple[db.Row, list[Any]]]:
     """(row title, panels) pairs; each row id is taken before its panels' ids, in page order."""
     blocked = c.SCHEDULER_BLOCKED_SECONDS
     return [
-        (p.row("How to read this dashboard"), [p.note("Lookup modes and what they cost", HOW_TO_READ, width=14, height=9),
-                                        p.note("What to change", WHAT_TO_CHANGE, width=10, height=9)]),
+        (p.row("How to read this dashboard"), [
+            p.note("Lookup modes and what they cost", HOW_TO_READ, width=14, height=9),
+            p.note("What to change", WHAT_TO_CHANGE, width=10, height=9)]),
         (p.row("Scheduler cost (what every request pays)"), [
             p.timeseries("Scheduler blocked per call, by mode", "Time one scheduler call spent inside the "
                          "lookup path: a round trip in sync mode, at most the wait budget in budget mode.",
@@ -84,6 +85,20 @@ def _panels(p: Panels) -> list[tuple[db.Row, list[Any]]]:
                          "requests parked for a lookup answer; empty outside vLLM.",
                          [Query(q.gauge(km.REQUESTS_WAITING_BY_REASON, "sum", ("reason",)), "{{reason}}")],
                          "none", width=8),
+        ]),
+        (p.row("Wait budget and held answers"), [
+            p.timeseries("Wait budget in force vs round trip", "The per-step wait budget the client runs with "
+                         "(lookup_wait_us, or what auto chose from the measured round trip) beside the round "
+                         "trip's p90: a budget above the p90 uses most answers in the step they were asked for.",
+                         [Query(q.gauge(c.WAIT_BUDGET_SECONDS.name, "max", BY_INSTANCE), "budget {{instance}}"),
+                          Query(q.quantile(c.RPC_SECONDS, 0.9, BY_INSTANCE), "round trip p90 {{instance}}")], "s"),
+            p.timeseries("Answers held for waiting requests", "Answers kept until their requests are allocated, "
+                         "against lookup_max_held; forgotten ones per second by reason (expired: older than "
+                         "lookup_answer_ttl_ms; evicted: over the bound) are asked again when needed.",
+                         [Query(q.gauge(c.HELD.name, "sum", BY_INSTANCE), "held {{instance}}"),
+                          Query(q.gauge(c.MAX_HELD.name, "max", BY_INSTANCE), "bound {{instance}}"),
+                          Query(q.counter_rate(c.ANSWERS_DROPPED, ("reason", "instance")),
+                                "dropped/s {{reason}} {{instance}}")], "none"),
         ]),
         (p.row("Lookup delay (what the answer costs end to end)"), [
             p.timeseries("Submit to answer used", "From submitting a lookup to the scheduler using the answer.",
@@ -107,12 +122,9 @@ def _panels(p: Panels) -> list[tuple[db.Row, list[Any]]]:
 def build(overview_uid: str) -> db.Dashboard:
     """The tuning dashboard; ``overview_uid`` is the uid of the overview dashboard it links to."""
     p = Panels()
-    d = (db.Dashboard(TITLE).uid(UID).tags(TAGS).editable().time("now-1h", "now").refresh("30s")
-         .tooltip(dm.DashboardCursorSync.CROSSHAIR).timezone("browser")
-         .description("Choose lookup_async and lookup_wait_us: scheduler blocked time vs deferred steps vs lookup "
-                      "delay. Generated by dashboards/generate.py: do not edit by hand.")
-         .variables(variables())
-         .link(link_to("Overview", overview_uid, "Health of the lookup path")))
+    d = new_dashboard(TITLE, UID, "Choose lookup_async and lookup_wait_us: scheduler blocked time vs deferred steps "
+                      "vs lookup delay. Generated by dashboards/generate.py: do not edit by hand.",
+                      link_to("Overview", overview_uid, "Health of the lookup path"))
     for row, panels in _panels(p):
         d = d.with_row(row)
         for panel in panels:

@@ -86,13 +86,13 @@ class LookoutLookupStats(KVConnectorStats):
 
     def reset(self) -> None:
         """Forget everything collected."""
-        self.data = {}
+        self.data: dict[str, Any] = {}
 
     def is_empty(self) -> bool:
         """True when no step and no upstream operation is held."""
         return not any(self.data.values())
 
-    def aggregate(self, other: KVConnectorStats) -> "LookoutLookupStats":
+    def aggregate(self, other: KVConnectorStats) -> LookoutLookupStats:
         """Append ``other``'s step records and operation records to ours (lists concatenate)."""
         for key, records in other.data.items():
             if records:
@@ -133,7 +133,7 @@ class LookoutLookupStats(KVConnectorStats):
 class LookupStatsCollector(NullObserver):
     """Scheduler-side observer that fills one step record; :meth:`take` hands it to vLLM each step."""
 
-    def __init__(self, config: LookupConfig | None = None) -> None:
+    def __init__(self) -> None:
         self._pending = 0
         self._step: dict[str, Any] | None = None
         self._late_replies = 0  # written by the transport thread only

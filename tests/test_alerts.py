@@ -1,4 +1,4 @@
-"""The alert rules load in promtool, fire and stay silent on the right series, and each points to its runbook section."""
+"""The alert rules load in promtool, fire and stay silent on the right series, each pointing to its runbook section."""
 
 from __future__ import annotations
 

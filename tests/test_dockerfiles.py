@@ -9,11 +9,11 @@ import fnmatch
 import json
 import re
 import shlex
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,8 +147,8 @@ def test_engine_entrypoint_matches_the_chart_command():
 
 
 def test_engine_build_context_holds_what_the_wheel_stage_copies():
-    patterns = [l.strip() for l in (DOCKER / "engine.Dockerfile.dockerignore").read_text().splitlines()
-                if l.strip() and not l.startswith("#")]
+    patterns = [line.strip() for line in (DOCKER / "engine.Dockerfile.dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
 
     def ignored(path: str) -> bool:
         verdict = False
@@ -178,7 +178,8 @@ def test_master_image_installs_the_pinned_wheel_and_runs_as_the_charts_user():
     assert int(gid) == VALUES["master"]["podSecurityContext"]["runAsGroup"]
     assert json.loads(of(stage, "ENTRYPOINT")[0]) == ["mooncake_master"]
     (expose,) = of(stage, "EXPOSE")
-    assert sorted(int(p) for p in expose.split()) == sorted([VALUES["master"]["rpcPort"], VALUES["master"]["metricsPort"]])
+    ports = [VALUES["master"]["rpcPort"], VALUES["master"]["metricsPort"]]
+    assert sorted(int(p) for p in expose.split()) == sorted(ports)
 
 
 def test_chart_annotations_name_the_versions_the_images_install():

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from mooncake_lookout.connector.events import NullObserver, Outcome, OutcomeCounter
-from mooncake_lookout.connector.scheduler_driver import BLOCK_SIZE, SchedulerDriver, make_vllm_config
-from mooncake_lookout.connector.soak import CallBudget, FaultRig
-from mooncake_lookout.connector.workload import WorkloadRequest
+from mooncake_lookout.connector.rigs.scheduler_driver import BLOCK_SIZE, SchedulerDriver, make_vllm_config
+from mooncake_lookout.connector.rigs.soak import CallBudget, FaultRig
+from mooncake_lookout.connector.rigs.workload import WorkloadRequest
 
 TIMEOUT_MS = 100.0
 SLACK_S = 0.005
@@ -116,8 +117,13 @@ class Run:
         assert not self.timer.late_deferrals, f"told to ask again after the deadline: {self.timer.late_deferrals}"
         deadline = TIMEOUT_MS / 1000
         asked = {}
-        for rec in self.counter.records:  # the deadline runs from when the lookup was sent
-            asked.setdefault(rec.req_id, rec.t_start if rec.t_start is not None else rec.t_submit)
+        sent = [r.t_start for r in self.counter.records if r.t_start is not None]
+        for rec in self.counter.records:
+            # A sent lookup's deadline runs from when it was sent; one never sent (queued behind others) ends
+            # when the latest lookup sent before it was asked misses its deadline.
+            start = rec.t_start if rec.t_start is not None else max(
+                [t for t in sent if t <= rec.t_consume] if rec.t_consume is not None else [], default=rec.t_submit)
+            asked.setdefault(rec.req_id, max(start, rec.t_submit))
         for req_id, step in (stats.first_scheduled_step.items() if scheduled_by_deadline else ()):
             due = asked.get(req_id, self.added_at[req_id]) + deadline
             first_after = next((i for i, t in enumerate(self.step_starts) if t >= due), len(self.step_starts))

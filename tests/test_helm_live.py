@@ -12,9 +12,9 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from http.server import ThreadingHTTPServer
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -22,12 +22,11 @@ from prometheus_client.exposition import MetricsHandler
 
 from mooncake_lookout.metrics.catalogue import CATALOGUE, MetricSpec
 
+import chart  # helm/tools/chart.py (conftest puts helm/tools on sys.path)
+
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 CHECK_SCRIPT = ROOT / "helm" / "mooncake-lookout" / "files" / "helm-test" / "check_lookout.py"
-
-
-import chart  # helm/tools/chart.py (conftest puts helm/tools on sys.path)
 
 
 def free_port() -> int:

@@ -11,18 +11,19 @@ cannot be produced on demand), named as such.
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from mooncake_lookout.connector.client import LookupClient
 from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.events import NullObserver, Outcome, OutcomeCounter
-from mooncake_lookout.connector.pipelined import PipelinedTransport
-from mooncake_lookout.connector.scheduler_driver import SchedulerDriver, make_vllm_config
+from mooncake_lookout.connector.rigs.scheduler_driver import SchedulerDriver, make_vllm_config
+from mooncake_lookout.connector.rigs.soak import CallBudget, FaultRig
+from mooncake_lookout.connector.rigs.workload import shared_prefix_workload
 from mooncake_lookout.connector.server import LookupServer
-from mooncake_lookout.connector.soak import CallBudget, FaultRig
-from mooncake_lookout.connector.workload import shared_prefix_workload
+from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
 
 BLOCK = 16
 TRANSPORTS = ("pipelined", "upstream")
@@ -86,7 +87,7 @@ def test_a_held_answer_older_than_its_ttl_is_asked_again(transport: str, prefix_
                                                         make_hashes: Any) -> None:
     """128 hit tokens at admission; the prefix is evicted while the request waits; asked again after
     500 ms it gets the store's current answer, not the one held since admission."""
-    from mooncake_lookout.connector.upstream_server import UpstreamLookupServer
+    from mooncake_lookout.connector.rigs.vllm_lookup_server import UpstreamLookupServer
 
     extra = lookup_vllm_config.kv_transfer_config.kv_connector_extra_config
     extra.update(lookup_transport=transport, lookup_answer_ttl_ms=200)

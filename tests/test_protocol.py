@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mooncake_lookout.connector import protocol as p
 from mooncake_lookout.connector.events import Outcome
 from mooncake_lookout.connector.job import HashBlob, LookupResult, TailKeyBoundary
+from mooncake_lookout.connector.wire import pipelined as p
 
 hash_lists = st.integers(1, 64).flatmap(
     lambda size: st.lists(st.binary(min_size=size, max_size=size), max_size=40))

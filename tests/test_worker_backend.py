@@ -9,8 +9,9 @@ by upstream's own save-path key code (:func:`saved_keys`).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -18,14 +19,14 @@ from mooncake_lookout.connector.client import LookupClient
 from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.events import Outcome, OutcomeCounter
 from mooncake_lookout.connector.job import HashBlob
-from mooncake_lookout.connector.mooncake_master import open_store
-from mooncake_lookout.connector.pipelined import PipelinedTransport
-from mooncake_lookout.connector.prefix_index import StoreError
-from mooncake_lookout.connector.scheduler_driver import make_kv_cache_config, make_vllm_config
+from mooncake_lookout.connector.rigs.scheduler_driver import make_kv_cache_config, make_vllm_config
+from mooncake_lookout.connector.rigs.vllm_lookup_server import PrefixIndexStoreWorker
 from mooncake_lookout.connector.server import LookupServer
-from mooncake_lookout.connector.upstream_server import PrefixIndexStoreWorker
-from mooncake_lookout.connector.vllm_connector import WorkerBackend, _serve_pipelined
-from mooncake_lookout.connector.vllm_store_worker import lookup_worker, saved_keys
+from mooncake_lookout.connector.server.prefix_index import StoreError
+from mooncake_lookout.connector.server.store import open_store
+from mooncake_lookout.connector.server.vllm_store_worker import lookup_worker, saved_keys
+from mooncake_lookout.connector.server.worker_backend import WorkerBackend, serve_pipelined
+from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
 
 BLOCK = 16
 
@@ -128,9 +129,9 @@ def test_pipelined_server_starts_only_on_the_rank_that_serves_lookups(prefix_ind
     worker = PrefixIndexStoreWorker(prefix_index)
     # Upstream starts its LookupKeyServer on one rank only (worker.lookup_server is None elsewhere).
     other_rank = SimpleNamespace(lookup_server=None, lookup=worker.lookup)
-    assert _serve_pipelined(lookup_vllm_config, config, other_rank) is None
+    assert serve_pipelined(lookup_vllm_config, config, other_rank) is None
     worker.lookup_server = object()  # this rank runs upstream's server, so it runs ours too
-    server = _serve_pipelined(lookup_vllm_config, config, worker)
+    server = serve_pipelined(lookup_vllm_config, config, worker)
     try:
         assert server is not None and server.address == config.lookup_server_address
     finally:

@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import yaml
 
@@ -49,8 +50,8 @@ def run_helm(*args: str, timeout: float = 60) -> str:
     return proc.stdout
 
 
-def template(values_files: Iterable[Path | str] = (), sets: dict[str, str] | None = None,
-             kube_version: str = "1.32.0", release: str = "lookout", namespace: str = "serving") -> list[dict[str, Any]]:
+def template(values_files: Iterable[Path | str] = (), sets: dict[str, str] | None = None, kube_version: str = "1.32.0",
+             release: str = "lookout", namespace: str = "serving") -> list[dict[str, Any]]:
     """``helm template`` the chart (hooks and tests included) and parse every rendered object."""
     args = ["template", release, str(CHART), "--namespace", namespace, "--kube-version", kube_version]
     for path in values_files:

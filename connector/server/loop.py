@@ -1,0 +1,342 @@
+"""The lookup server: one ROUTER socket, one loop, one store call for every lookup that is ready.
+
+Why: vLLM's ``LookupKeyServer`` answers one lookup at a time with one store call each, and dies on a
+malformed frame. This server
+
+* answers both our ``pipelined`` protocol (DEALER clients, many lookups per frame) and vLLM 0.33's own
+  wire format (REQ clients) on the same socket (:mod:`.intake` tells them apart), so it drops in for
+  vLLM's server;
+* runs ONE loop on ONE thread: drain every frame that is ready, validate each, answer all their lookups
+  with one store call (``lookup_many``: one ``batch_is_exist`` over the union of their keys), reply, repeat.
+  Batches grow with load by themselves, and no lookup is handed to another thread (each hand-off is a
+  wake-up that costs more than the lookup's own Python work on these machines);
+* answers anything malformed, truncated, oversized or of another version with an error reply, then
+  keeps serving;
+* fences ``reset``: lookups received before it are answered first, lookups received after it wait until
+  it is done (frames are handled in arrival order), so no lookup straddles a wipe.
+
+Threads: the loop's thread owns the socket. ``close()`` from any thread sets a flag and wakes the loop,
+which closes its own socket. Observers are called on the loop's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import zmq
+
+from mooncake_lookout.connector.addresses import prepare_ipc_path
+from mooncake_lookout.connector.job import LookupResult
+from mooncake_lookout.connector.logs import RateLimit
+from mooncake_lookout.connector.server import intake
+from mooncake_lookout.connector.server.backend import LookupBackend
+from mooncake_lookout.connector.server.observer import ServerObserver, ServerObserverSet, ServerStats
+from mooncake_lookout.connector.waker import Waker
+from mooncake_lookout.connector.wire import pipelined as protocol
+from mooncake_lookout.connector.wire import upstream as upstream_wire
+
+logger = logging.getLogger(__name__)
+
+# ZMQ drops (and disconnects) a peer sending a message above this: a memory guard well above the limits
+# the protocol answers with an error (MAX_BODY_BYTES), so oversized frames still get their error reply.
+HARD_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+RECV_BURST = 4096  # frames read per turn of the loop before they are answered
+_HWM = 100_000  # messages queued per peer and direction; past it ZMQ holds off reading (or drops replies)
+
+
+
+
+class LookupServer:
+    """Serves lookups for ``backend`` on ``address`` (``ipc://PATH``, ``tcp://HOST:PORT``; ``None``: a private IPC dir).
+
+    ``max_batch_hashes``: the most block hashes asked in one store call (a larger batch is split).
+    Use as a context manager, or call :meth:`start` and :meth:`close`.
+    """
+
+    def __init__(self, backend: LookupBackend, address: str | None = None, *, max_batch_hashes: int = 65_536,
+                 observers: Iterable[ServerObserver] = ()) -> None:
+        self.backend = backend
+        self.max_batch_hashes = max_batch_hashes
+        self.stats = ServerStats()
+        self._observe = ServerObserverSet([self.stats, *observers])
+        self._batching = callable(getattr(backend, "lookup_many", None))
+        self._requested_address = address
+        self._address: str | None = None
+        self._private_dir: str | None = None
+        self._ipc_path: str | None = None
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+        self._waker: Waker | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._log_limit = RateLimit(10.0)
+
+    # -- lifecycle -----------------------------------------------------------------------------------------------
+    @property
+    def address(self) -> str:
+        """The endpoint clients connect to (with the real port when bound to ``tcp://...:0``)."""
+        if self._address is None:
+            raise RuntimeError("the lookup server is not started")
+        return self._address
+
+    def start(self) -> LookupServer:
+        """Bind the socket (errors raise here, naming the address) and start serving."""
+        if self._thread is not None:
+            raise RuntimeError("the lookup server is already started")
+        address = self._requested_address
+        if address is None:
+            self._private_dir = tempfile.mkdtemp(prefix="mooncake-lookout-")  # mode 0700
+            address = "ipc://" + os.path.join(self._private_dir, "lookup.sock")
+        if address.startswith("ipc://"):
+            self._ipc_path = address.removeprefix("ipc://")
+            prepare_ipc_path(self._ipc_path)
+        elif address.startswith("tcp://") and address.endswith(":0"):
+            address = address[:-2] + ":*"
+        ctx = zmq.Context(io_threads=1)
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, HARD_MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.SNDHWM, _HWM)
+        sock.setsockopt(zmq.RCVHWM, _HWM)
+        try:
+            sock.bind(address)
+        except zmq.ZMQError as e:
+            sock.close(linger=0)
+            ctx.term()
+            self._remove_private_dir()
+            raise zmq.ZMQError(e.errno, f"{e.strerror} (addr={address!r})") from None
+        if self._ipc_path is not None:
+            os.chmod(self._ipc_path, 0o600)
+        self._address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._ctx, self._sock = ctx, sock
+        self._waker = Waker()
+        self._thread = threading.Thread(target=self._loop, name="lookout-server", daemon=True)
+        self._thread.start()
+        logger.info("lookup server listening on %s (one store call per batch: %s)", self._address,
+                    "yes" if self._batching else "no, the backend has no lookup_many")
+        return self
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop serving; idempotent, from any thread.
+
+        The loop finishes the batch it is answering (a store call cannot be interrupted; it is bounded by
+        the store client's own timeout), then closes its socket. Waits up to ``timeout_s`` for it.
+        """
+        if self._thread is None or self._stop:
+            return
+        self._stop = True
+        assert self._waker is not None
+        self._waker.wake()
+        self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            assert self._ctx is not None
+            self._ctx.term()
+            self._waker.close()
+        else:  # a store call is still running; its socket and descriptor must stay valid until it ends
+            logger.warning("lookup server closed with a store call still running")
+        if self._ipc_path is not None and os.path.lexists(self._ipc_path):
+            os.unlink(self._ipc_path)
+        self._remove_private_dir()
+
+    def _remove_private_dir(self) -> None:
+        if self._private_dir is not None:
+            shutil.rmtree(self._private_dir, ignore_errors=True)
+            self._private_dir = None
+
+    def __enter__(self) -> LookupServer:
+        return self.start() if self._thread is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the loop ------------------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        sock, waker = self._sock, self._waker
+        assert sock is not None and waker is not None
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(waker.fd, zmq.POLLIN)
+        while not self._stop:
+            try:
+                events = dict(poller.poll(1000))
+                if waker.fd in events:
+                    waker.clear()
+                if sock in events and not self._stop:
+                    self._answer(self._receive())
+            except Exception:  # one bad frame or reply must not stop the server
+                logger.exception("lookup server loop failed")
+        # Closing: what is already queued gets an error reply at once, not a client-side timeout.
+        for item in self._receive():
+            self._refuse(item, "lookup server shutting down")
+        sock.close(linger=0)
+
+    def _receive(self) -> list[intake.Work]:
+        """Every frame that is ready (up to :data:`RECV_BURST`), validated, in arrival order."""
+        sock = self._sock
+        assert sock is not None
+        work: list[intake.Work] = []
+        for _ in range(RECV_BURST):
+            try:
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            item = intake.parse(frames)
+            if isinstance(item, intake.Refusal):
+                self._observe.answered("bad_request")
+                self._send(item.envelope, item.reply)
+            else:
+                work.append(item)
+        self._observe.queue_depth(sum(intake.lookups_in(w) for w in work))
+        return work
+
+    # -- answering -------------------------------------------------------------------------------------------
+    def _answer(self, work: list[intake.Work]) -> None:
+        """Answer ``work`` in order: the lookups between two resets together, then each reset (the fence)."""
+        lookups: list[intake.Frame | intake.UpstreamLookup] = []
+        for item in work:
+            if isinstance(item, intake.Reset):
+                self._answer_lookups(lookups)
+                lookups = []
+                self._answer_reset(item)
+            else:
+                lookups.append(item)
+        self._answer_lookups(lookups)
+
+    def _answer_lookups(self, items: list[intake.Frame | intake.UpstreamLookup]) -> None:
+        queries: list[tuple[int, Sequence[bytes]]] = []
+        for item in items:
+            if isinstance(item, intake.Frame):
+                queries.extend((q.num_tokens, q.block_hashes) for q in item.queries)
+            else:
+                queries.append((item.num_tokens, item.hashes))
+        if not queries:
+            return
+        results: list[Any] = []
+        for chunk in self._chunks(queries):
+            results.extend(self._call_store(chunk))
+        self._observe.queue_depth(0)
+        at = 0
+        for item in items:
+            if isinstance(item, intake.Frame):
+                n = len(item.queries)
+                answers = results[at:at + n]
+                at += n
+                for answer in answers:
+                    self._observe.answered("error" if _failed(answer) else "ok")
+                self._send(item.envelope, protocol.encode_reply(
+                    item.frame_id, [protocol.result_of(q.lookup_id, _as_result(a))
+                                    for q, a in zip(item.queries, answers)]))
+            else:
+                answer = results[at]
+                at += 1
+                if _failed(answer):
+                    self._observe.answered("error")
+                    self._send(item.envelope, upstream_wire.RESP_ERR)
+                else:
+                    self._observe.answered("ok")
+                    self._send(item.envelope, upstream_wire.encode_lookup_reply(answer))
+
+    def _chunks(self, queries: list[tuple[int, Sequence[bytes]]]) -> Iterable[list[tuple[int, Sequence[bytes]]]]:
+        """Split ``queries`` so no store call asks more than ``max_batch_hashes`` keys (one per lookup at least)."""
+        chunk: list[tuple[int, Sequence[bytes]]] = []
+        hashes = 0
+        for q in queries:
+            if chunk and hashes + len(q[1]) > self.max_batch_hashes:
+                yield chunk
+                chunk, hashes = [], 0
+            chunk.append(q)
+            hashes += len(q[1])
+        if chunk:
+            yield chunk
+
+    def _call_store(self, queries: list[tuple[int, Sequence[bytes]]]) -> list[Any]:
+        """One store call for ``queries`` (or one per query, for a backend without ``lookup_many``)."""
+        self._observe.inflight(1)
+        t0 = time.perf_counter()
+        results: list[Any]
+        try:
+            if self._batching:
+                results = list(self.backend.lookup_many(queries))  # type: ignore[attr-defined]
+                if len(results) != len(queries):
+                    raise RuntimeError(f"backend returned {len(results)} results for {len(queries)} lookups")
+            else:
+                results = []
+                for num_tokens, hashes in queries:
+                    try:
+                        results.append(self.backend.lookup(num_tokens, hashes))
+                    except Exception as e:  # that lookup's error; the others go on
+                        results.append(e)
+        except Exception as e:  # the store failed: every lookup in the call gets the error
+            if self._log_limit.allow(time.perf_counter()):
+                logger.warning("store call failed: %r", e)
+            results = [e] * len(queries)
+        seconds = time.perf_counter() - t0
+        self._observe.inflight(0)
+        self._observe.store_call(len(queries), seconds, any(_failed(r) for r in results))
+        return results
+
+    def _answer_reset(self, item: intake.Reset) -> None:
+        self._observe.inflight(1)
+        t0 = time.perf_counter()
+        try:
+            outcome: Any = self.backend.reset()
+        except Exception as e:
+            outcome = e
+        self._observe.inflight(0)
+        failed = isinstance(outcome, Exception) or outcome is False
+        self._observe.store_call(1, time.perf_counter() - t0, failed)
+        if failed:
+            logger.error("store reset failed: %s", _reason(outcome))
+        self._observe.answered("error" if failed else "ok")
+        if item.frame_id is None:
+            self._send(item.envelope, upstream_wire.RESP_ERR if failed else upstream_wire.RESP_OK)
+        elif failed:
+            self._send(item.envelope, protocol.encode_status(item.frame_id, protocol.ERROR, _reason(outcome)))
+        else:
+            self._send(item.envelope, protocol.encode_status(item.frame_id, protocol.OK))
+
+    def _refuse(self, item: intake.Work, reason: str) -> None:
+        """Answer ``item`` with an error without asking the store."""
+        self._observe.answered("error")
+        if isinstance(item, intake.UpstreamLookup) or (isinstance(item, intake.Reset) and item.frame_id is None):
+            self._send(item.envelope, upstream_wire.RESP_ERR)
+        else:
+            self._send(item.envelope, protocol.encode_status(item.frame_id or protocol.UNKNOWN_ID, protocol.ERROR,
+                                                             reason))
+
+    def _send(self, envelope: list[bytes], payload: bytes) -> None:
+        assert self._sock is not None
+        try:
+            self._sock.send_multipart([*envelope, payload], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # the peer is gone or slow: its reply is lost, the server goes on
+            logger.debug("dropping a reply: %s", e)
+
+
+def _failed(result: Any) -> bool:
+    return isinstance(result, BaseException) or not hasattr(result, "hit_length")
+
+
+def _as_result(result: Any) -> LookupResult | BaseException:
+    if isinstance(result, BaseException):
+        return result
+    if not hasattr(result, "hit_length"):
+        return RuntimeError(f"backend returned {type(result).__name__}, not a LookupResult")
+    return result
+
+
+def _reason(result: Any) -> str:
+    if isinstance(result, Exception):
+        return f"{type(result).__name__}: {result}"
+    if result is False:
+        return "store reported failure"
+    return f"backend returned {type(result).__name__}, not a LookupResult"
+
+
+__all__ = ["LookupServer"]
