@@ -2,24 +2,35 @@
 
 What the scheduler can count on:
 
-* ``lookup(..., non_block=True)`` never waits longer than ``lookup_wait_us`` (default 0); ``non_block=False``
-  never longer than ``lookup_timeout_ms``. Past the deadline the answer is a miss, counted as a timeout.
-* After ``lookup_breaker_failures`` consecutive failures, lookups answer a miss at once for
-  ``lookup_breaker_cooldown_s``, then one probe decides.
-* At most ``lookup_max_pending`` lookups wait for an answer; past it a lookup is a miss at once (rejected).
-* An answer is served only for the request it was asked for (same ``num_tokens``, same hashes) and the
-  current generation (``reset`` bumps it). It is kept until ``discard`` so a retry costs no round trip.
+* ``lookup(..., non_block=False)`` never waits longer than ``lookup_timeout_ms``; ``non_block=True`` waits
+  at most what is left of the step's budget (``lookup_wait_us``, or ``auto``). A lookup *sent* and not
+  answered by its deadline is a miss, counted as a timeout; time spent in the client's own queue is not
+  the server's failure and never counts against the deadline or the breaker.
+* The lookups of one scheduling step travel together: the first call of a step sends every lookup
+  started since the last send (those started at admission included) in one frame, and drains every reply
+  that has arrived; :meth:`end_step` sends the rest. A step pays one send and one drain.
+* After ``lookup_breaker_failures`` consecutive failures (timeouts, errors), lookups answer a miss at once
+  for ``lookup_breaker_cooldown_s``, then one probe decides.
+* At most ``lookup_max_pending`` lookups are queued or in flight. Past it, a lookup at admission is not
+  started yet and a non-blocking ask defers (vLLM asks every waiting request each step in async mode, so
+  a deep waiting queue must not turn into refusals); only a blocking ask, which cannot wait, gets a miss
+  at once (``rejected``). At most ``lookup_max_held`` answers are held for requests not yet allocated
+  (past it, the oldest is forgotten and asked again when needed).
+* An answer is served only for the request it was asked for (same ``num_tokens``, same hashes), in the
+  current generation (``reset`` bumps it), and while it is younger than ``lookup_answer_ttl_ms`` counted
+  from when it was sent (kept below the master's key lease, so a served hit is still loadable). Failed
+  or refused answers are not held: the next call asks again.
 * Store errors and timeouts are reported as such to observers, never as plain misses.
 
-All bookkeeping lives on the caller's thread; the transport's thread only writes a job's answer.
+Every method is called from one thread (vLLM's engine-core thread); no state here is shared with another.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import logging
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mooncake_lookout.connector.breaker import CircuitBreaker
@@ -27,6 +38,9 @@ from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.events import LookupObserver, LookupRecord, ObserverSet, Outcome
 from mooncake_lookout.connector.job import Answer, LookupJob, LookupResult
 from mooncake_lookout.connector.transport.base import Transport, TransportClosed
+from mooncake_lookout.connector.wait_budget import WaitBudget
+
+logger = logging.getLogger(__name__)
 
 _Key = tuple[int, int, bytes]
 
@@ -34,14 +48,13 @@ _Key = tuple[int, int, bytes]
 class _Entry:
     """One request's lookup as the client tracks it."""
 
-    __slots__ = ("rec", "job", "key", "final", "probe")
+    __slots__ = ("rec", "key", "job", "final", "probe")
 
-    def __init__(self, rec: LookupRecord, key: _Key, job: LookupJob | None, final: Answer | None,
-                 probe: bool) -> None:
+    def __init__(self, rec: LookupRecord, key: _Key, job: LookupJob | None, probe: bool) -> None:
         self.rec = rec
         self.key = key
         self.job = job
-        self.final = final  # set once the caller has the answer
+        self.final: Answer | None = None  # set once the caller has the answer
         self.probe = probe
 
 
@@ -63,17 +76,17 @@ class LookupClient:
             transport.on_late_reply = self.observers.late_reply
         self.breaker = CircuitBreaker(
             config.lookup_breaker_failures, config.lookup_breaker_cooldown_s,
-            probe_timeout_s=config.timeout_s, on_change=self.observers.breaker_changed)
+            probe_timeout_s=config.timeout_s, on_change=self._breaker_changed)
+        self.budget = WaitBudget(config.wait_s, share=config.lookup_wait_auto_share)
         self.generation = 0
-        self.pending = 0
-        # How long a non-blocking lookup may wait for its answer; the scheduler adapter lowers it as a step's
-        # budget is spent.
-        self.wait_s = config.wait_s
-        # A hit is never the whole prompt: the last token must be computed (vLLM #55113). The scheduler
-        # adapter sets its block size so a capped hit stays block-aligned.
-        self.hit_block_size = 1
+        self.pending = 0  # lookups submitted and not yet answered to the caller (what the pending gauge shows)
         self._entries: dict[str, _Entry] = {}
-        self._answered: OrderedDict[str, None] = OrderedDict()  # answered entries kept for retries, oldest first
+        self._unsent: list[LookupJob] = []
+        self._held: OrderedDict[str, None] = OrderedDict()  # answered entries kept for retries, oldest first
+        # Until the scheduler adapter calls end_step, nothing is known of steps: every call sends and drains.
+        self._stepped = False
+        self._sent_this_step = False
+        self._drained_this_step = False
         self._closed = False
 
     @classmethod
@@ -85,61 +98,103 @@ class LookupClient:
         config = LookupConfig.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
         return cls(config, make_transport(config, lookup_address(vllm_config, config)), observer=observer)
 
+    def _breaker_changed(self, is_open: bool) -> None:
+        # Logged at WARNING both ways; it changes at most once per cool-down, which bounds the rate.
+        if is_open:
+            logger.warning("lookup circuit breaker OPEN after %d consecutive failures (timeouts, errors): lookups "
+                           "answer a miss at once for %.1f s, then one probe decides",
+                           self.config.lookup_breaker_failures, self.config.lookup_breaker_cooldown_s)
+        else:
+            logger.warning("lookup circuit breaker closed: a probe was answered, lookups go to the server again")
+        self.observers.breaker_changed(is_open)
+
+    @property
+    def held(self) -> int:
+        """Answers held for requests not yet allocated."""
+        return len(self._held)
+
     # -- the scheduler's calls ---------------------------------------------------------------------------
     def lookup(self, req_id: str, num_tokens: int, block_hashes: Sequence[bytes], non_block: bool = False,
-               *, wait_s: float | None = None) -> LookupResult | None:
-        """The hit for ``req_id``, or ``None`` while it is pending (``non_block``: ask again on a later step).
+               *, trace_headers: Mapping[str, str] | None = None) -> LookupResult | None:
+        """The hit for ``req_id``, or ``None`` while it is pending (``non_block``: ask again on a later step)."""
+        called = time.perf_counter()
+        entry = self.start(req_id, num_tokens, block_hashes, trace_headers=trace_headers, admission=non_block)
+        if entry is None:  # at the pending bound: answers that came may free room, else ask again next step
+            self._tick(non_block)
+            entry = self.start(req_id, num_tokens, block_hashes, trace_headers=trace_headers, admission=non_block)
+        if entry is None:
+            rec = LookupRecord(req_id, num_tokens, len(block_hashes), self.transport.name, self.generation, called,
+                               deferrals=1)
+            self.observers.deferred(rec)
+            return None
+        if entry.final is not None:  # held, or refused at once
+            return entry.final.result
+        job = entry.job
+        assert job is not None
+        if not non_block and job.sent_at is None:
+            job.latest = called + self.config.timeout_s  # a blocking call's bound caps the lookup's deadline
+        if job.answer is None:
+            self._await(job, non_block, called)
+        answer = job.answer
+        if answer is None:
+            now = time.perf_counter()
+            queued_behind_failure = job.sent_at is None and self.transport.overdue(now)
+            if non_block and not job.expired(now) and not queued_behind_failure:
+                entry.rec.deferrals += 1
+                self.observers.deferred(entry.rec)
+                return None
+            self.transport.forget(job)
+            if job.sent_at is not None:  # sent, and its deadline passed unanswered: the server's failure
+                answer = Answer(Outcome.TIMEOUT, error="no reply before the deadline")
+            else:  # still queued (behind a lookup the server left unanswered, or the call's bound ran out)
+                answer = Answer(Outcome.TIMEOUT, error="not sent before the deadline: queued behind other lookups",
+                                local=True)
+        return self._settle(req_id, entry, answer)
 
-        A non-blocking call may wait ``wait_s`` (default: :attr:`wait_s`, from ``lookup_wait_us``) for an
-        almost-ready answer before deferring; a blocking one waits until the deadline at most.
+    def start(self, req_id: str, num_tokens: int, block_hashes: Sequence[bytes], *,
+              trace_headers: Mapping[str, str] | None = None, admission: bool = False) -> _Entry | None:
+        """Make sure a current lookup exists for this request (e.g. at admission); never waits, never sends.
+
+        ``admission``: the caller can wait (a lookup at admission, or a non-blocking ask), so past
+        ``lookup_max_pending`` nothing is started (returns ``None``) instead of refusing the request.
         """
-        if wait_s is None:
-            wait_s = self.wait_s
-        entry = self.start(req_id, num_tokens, block_hashes)
-        if entry.final is None:
-            job = entry.job
-            assert job is not None
-            answer = job.answer
-            if answer is None:
-                wait = job.remaining() if not non_block else min(wait_s, job.remaining())
-                if wait > 0:
-                    job.done.wait(wait)
-                    answer = job.answer
-                if answer is None:
-                    if non_block and job.remaining() > 0:
-                        entry.rec.deferrals += 1
-                        self.observers.deferred(entry.rec)
-                        return None
-                    answer = Answer(Outcome.TIMEOUT, error="no answer before the deadline")
-            self._settle(req_id, entry, answer)
-        return entry.final.result  # type: ignore[union-attr]
-
-
-    def start(self, req_id: str, num_tokens: int, block_hashes: Sequence[bytes]) -> _Entry:
-        """Make sure a current lookup exists for this request (e.g. at admission); never waits."""
         key = _key(num_tokens, block_hashes)
         entry = self._entries.get(req_id)
-        if entry is not None and (entry.key != key or entry.rec.generation != self.generation):
-            self._drop(req_id, entry)  # the request changed, or a reset came: its answer is stale
+        if entry is not None and not self._current(entry, key):
+            self._drop(req_id, entry)
             entry = None
         if entry is None:
-            entry = self._submit(req_id, num_tokens, block_hashes, key)
+            if admission and self._awaiting() >= self.config.lookup_max_pending:
+                return None
+            entry = self._submit(req_id, num_tokens, block_hashes, key, trace_headers)
         return entry
 
+    def end_step(self) -> None:
+        """The scheduling step is over: send what is still unsent, refresh the next step's wait budget."""
+        self._flush()
+        self._stepped = True
+        self._sent_this_step = self._drained_this_step = False
+        self.budget.new_step(time.perf_counter())
+        self.observers.step_ended(self.budget.in_force_s, len(self._held))
+
     def discard(self, req_id: str) -> None:
-        """Forget ``req_id``'s lookup (finished, aborted, preempted); an unsent one is never sent."""
+        """Forget ``req_id``'s lookup (allocated, finished, aborted, preempted); an unsent one is never sent."""
         entry = self._entries.get(req_id)
         if entry is not None:
             self._drop(req_id, entry)
 
     def reset(self) -> bool:
-        """Invalidate every answer held or in flight, then ask the server to wipe the store (fenced behind them)."""
+        """Invalidate every answer held or in flight, then ask the server to wipe the store (fenced behind them).
+
+        Waits for the server's acknowledgement up to ``lookup_reset_timeout_s``, as upstream's client waits
+        for its server (which first drains in-flight puts).
+        """
         self.generation += 1
         for req_id, entry in list(self._entries.items()):
             self._drop(req_id, entry)
         if self._closed:
             return False
-        return self.transport.reset(max(self.config.timeout_s, 1.0))
+        return self.transport.reset(self.config.lookup_reset_timeout_s)
 
     def close(self) -> None:
         """Drop every lookup and stop the transport; safe to call twice."""
@@ -155,64 +210,135 @@ class LookupClient:
         return req_id in self._entries
 
     # -- internals -----------------------------------------------------------------------------------------
-    def _submit(self, req_id: str, num_tokens: int, block_hashes: Sequence[bytes], key: _Key) -> _Entry:
-        now = time.perf_counter()
-        rec = LookupRecord(req_id, num_tokens, len(block_hashes), self.transport.name, self.generation, now)
+    def _current(self, entry: _Entry, key: _Key) -> bool:
+        """Is ``entry`` still the lookup for this request: same prompt, same generation, answer young enough?"""
+        if entry.key != key or entry.rec.generation != self.generation:
+            return False
+        if entry.final is None or entry.rec.t_start is None:
+            return True
+        if time.perf_counter() - entry.rec.t_start <= self.config.answer_ttl_s:
+            return True
+        self.observers.answer_dropped(entry.rec, "expired")
+        return False
+
+    def _submit(self, req_id: str, num_tokens: int, block_hashes: Sequence[bytes], key: _Key,
+                trace_headers: Mapping[str, str] | None) -> _Entry:
+        rec = LookupRecord(req_id, num_tokens, len(block_hashes), self.transport.name, self.generation,
+                           time.perf_counter(), trace_headers=trace_headers)
         refused: Outcome | None = None
         probe = False
         if self._closed:
             refused = Outcome.ERROR
-        elif self.pending >= self.config.lookup_max_pending:
+        elif self._awaiting() >= self.config.lookup_max_pending:
             refused = Outcome.REJECTED
         elif not self.breaker.allow():
             refused = Outcome.BREAKER_OPEN
         else:
             probe = self.breaker.is_open
-        entry = _Entry(rec, key, None, None, probe)
+        job = None if refused else LookupJob(rec, block_hashes, self.config.timeout_s, self.observers)
+        entry = _Entry(rec, key, job, probe)
         self._entries[req_id] = entry
         self.pending += 1
         self.observers.submitted(rec)
-        if refused is None:
-            job = LookupJob(rec, list(block_hashes), now + self.config.timeout_s, self.observers)
-            try:
-                self.transport.submit(job)
-                entry.job = job
-            except TransportClosed:
-                refused = Outcome.ERROR
         if refused is not None:
-            self._settle(req_id, entry, Answer(refused, error=refused.value))
+            self._settle(req_id, entry, Answer(refused, error=refused.value, local=True))
+        else:
+            self._unsent.append(job)  # type: ignore[arg-type]
         return entry
 
-    def _settle(self, req_id: str, entry: _Entry, answer: Answer) -> None:
-        """The caller has its answer: record it, feed the breaker, keep it for retries."""
+    def _awaiting(self) -> int:
+        """Lookups awaiting an answer (queued here or in the transport, or in flight): what the bound counts."""
+        return len(self._unsent) + self.transport.awaiting
+
+    def _tick(self, non_block: bool) -> None:
+        """This step's send and drain, if not done yet: the first call of a step sends every lookup started
+        since the last send and collects every answer that has arrived."""
+        if not (self._stepped and non_block and self._sent_this_step) and self._unsent:
+            self._flush(urgent=not non_block)
+        if not (self._stepped and self._drained_this_step):
+            self._drained_this_step = True
+            self.transport.collect()
+
+    def _flush(self, *, urgent: bool = False) -> None:
+        """Send every unsent lookup, in one frame where the protocol allows."""
+        if not self._unsent:
+            return
+        jobs, self._unsent = self._unsent, []
+        self._sent_this_step = True
+        try:
+            self.transport.send(jobs, urgent=urgent)
+        except TransportClosed:
+            for job in jobs:
+                job.finish(Answer(Outcome.ERROR, error="transport closed"))
+
+    def _await(self, job: LookupJob, non_block: bool, called: float) -> None:
+        """Send the step's lookups if due, collect arrived answers, and wait as much as this call may."""
+        if job.sent_at is None and job.answer is None and self.budget.left() > 0:
+            self._flush(urgent=not non_block)  # a wait is allowed: send now, whatever was sent this step
+        self._tick(non_block)
+        now = time.perf_counter()
+        if job.answer is None and job.expired(now):
+            self.transport.collect()  # its deadline passed since the step's drain: time it out now
+        if job.answer is not None:
+            return
+        if non_block:
+            wait = self.budget.left()
+        else:
+            wait = called + self.config.timeout_s - now
+        if job.deadline is not None:
+            wait = min(wait, job.deadline - now)
+        if wait <= 0:
+            return
+        self.transport.collect(wait, until=job)
+        if non_block:
+            self.budget.spend(time.perf_counter() - now)
+        if job.sent_at is not None:
+            if job.answer is not None and job.rec.t_answer is not None:
+                self.budget.observe(job.rec.t_answer - job.sent_at)
+            else:
+                self.budget.observe(None)  # the wait ran out first
+        if job.answer is None and job.expired(time.perf_counter()):
+            self.transport.collect()  # the deadline passed while waiting: let the transport time it out
+
+    def _settle(self, req_id: str, entry: _Entry, answer: Answer) -> LookupResult:
+        """The caller has its answer: record it, feed the breaker, hold it if it is worth holding."""
         rec = entry.rec
         if answer.result.hit_length >= rec.num_tokens > 0:
-            capped = (rec.num_tokens - 1) // self.hit_block_size * self.hit_block_size
-            answer = Answer.from_result(dataclasses.replace(answer.result, hit_length=capped))
-        entry.final = answer
+            answer = Answer(Outcome.ERROR, error=f"the server claimed {answer.result.hit_length} cached tokens of a "
+                                                 f"{rec.num_tokens}-token prompt; the last token must be computed")
         rec.outcome = answer.outcome
         rec.hit_tokens = answer.result.hit_length
         rec.error = answer.error
         rec.t_consume = time.perf_counter()
-        if entry.job is not None:
+        if not answer.local and entry.job is not None and entry.job.sent_at is not None:
             self.breaker.record(not answer.failed)
         self.pending -= 1
         self.observers.consumed(rec)
-        self._answered[req_id] = None
-        # Answers kept for retries are bounded too: the oldest go first.
-        while len(self._answered) > self.config.lookup_max_pending:
-            old, _ = self._answered.popitem(last=False)
-            self._entries.pop(old, None)
+        entry.final = answer
+        entry.job = None
+        if answer.kept:
+            self._hold(req_id)
+        else:  # failed or refused: not held, the next call asks again
+            del self._entries[req_id]
+        return answer.result
+
+    def _hold(self, req_id: str) -> None:
+        self._held[req_id] = None
+        while len(self._held) > self.config.lookup_max_held:  # the oldest go first
+            old, _ = self._held.popitem(last=False)
+            entry = self._entries.pop(old, None)
+            if entry is not None:
+                self.observers.answer_dropped(entry.rec, "evicted")
 
     def _drop(self, req_id: str, entry: _Entry) -> None:
         del self._entries[req_id]
         if entry.final is not None:
-            self._answered.pop(req_id, None)
+            self._held.pop(req_id, None)
             return
         job = entry.job
         if job is not None:
-            job.cancelled = True
-            if job.answer is not None:
+            self.transport.forget(job)
+            if job.answer is not None and job.sent_at is not None:
                 self.breaker.record(not job.answer.failed)
             elif entry.probe:
                 self.breaker.probe_abandoned()

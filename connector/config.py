@@ -39,16 +39,20 @@ class Key:
     doc: str
     check: Callable[[Any], bool] = lambda v: True
     rule: str = ""
+    words: tuple[str, ...] = ()  # strings accepted besides values of ``kind`` (``auto``)
 
 
-def _key(default: _T, doc: str, check: Callable[[Any], bool] = lambda v: True, rule: str = "") -> _T:
+def _key(default: _T, doc: str, check: Callable[[Any], bool] = lambda v: True, rule: str = "",
+         words: tuple[str, ...] = ()) -> _T:
     """A :class:`LookupConfig` field: its default, meaning, check and the rule the check enforces."""
-    info = {"doc": doc, "check": check, "rule": rule}
+    info = {"doc": doc, "check": check, "rule": rule, "words": words}
     return dataclasses.field(default=default, metadata={_META: info})
 
 
 def _coerce(key: Key, value: Any) -> Any:
     """Accept JSON-ish values (ints for floats, no strings for numbers, real bools only)."""
+    if isinstance(value, str) and value in key.words:
+        return value
     if key.kind is bool and isinstance(value, bool):
         return value
     if key.kind is int and isinstance(value, int) and not isinstance(value, bool):
@@ -68,16 +72,35 @@ class LookupConfig:
 
     lookup_async: bool = _key(
         False, "upstream's switch: defer with `None` instead of blocking the scheduler")
-    lookup_wait_us: int = _key(
+    lookup_wait_us: int | str = _key(
         0, "in async mode, how long the scheduler may wait for pending answers before deferring, per step "
-           "(shared by all lookup calls of one scheduling step)",
-        lambda v: 0 <= v <= 100_000, "0..100000")
+           "(shared by all lookup calls of one step); `auto` follows the measured round trip, capped by "
+           "`lookup_wait_auto_share` of the step interval",
+        lambda v: v == "auto" or 0 <= v <= 100_000, "0..100000 or auto", words=("auto",))
+    lookup_wait_auto_share: float = _key(
+        0.25, "with `lookup_wait_us: auto`: the largest share of the measured step interval the scheduler may "
+              "wait; past it, it defers at once",
+        lambda v: 0 < v <= 0.9, "> 0 and <= 0.9")
     lookup_timeout_ms: float = _key(
-        100.0, "deadline of one lookup (queue + send + receive); then a miss, counted as a timeout",
+        100.0, "deadline of one lookup, from when it is sent (time queued in the client is not the server's); "
+               "then a miss, counted as a timeout; also bounds a blocking call",
         lambda v: 0 < v <= 60_000, "> 0 and <= 60000")
     lookup_max_pending: int = _key(
-        1024, "lookups in flight or waiting; past it, an immediate miss, counted as rejected",
+        1024, "lookups queued or in flight; past it, an admission starts none and a non-blocking ask defers, "
+              "a blocking ask gets an immediate miss counted as rejected",
         lambda v: 1 <= v <= 1_000_000, "1..1000000")
+    lookup_max_held: int = _key(
+        16384, "answers held for requests not yet allocated; past it the oldest is forgotten (asked again "
+               "if needed)",
+        lambda v: 1 <= v <= 10_000_000, "1..10000000")
+    lookup_answer_ttl_ms: float = _key(
+        5000.0, "a held answer older than this (from when it was sent) is asked again; keep it at most half "
+                "the master's `--default_kv_lease_ttl` (10 s by default), so a served hit is still leased "
+                "when it loads",
+        lambda v: 0 < v <= 3_600_000, "> 0 and <= 3600000")
+    lookup_reset_timeout_s: float = _key(
+        60.0, "how long `reset` (vLLM's `reset_prefix_cache`) waits for the server to wipe the store",
+        lambda v: 0 < v <= 3600, "> 0 and <= 3600")
     lookup_breaker_failures: int = _key(
         5, "consecutive failures (timeouts, errors) that open the circuit breaker",
         lambda v: 1 <= v <= 10_000, "1..10000")
@@ -85,8 +108,9 @@ class LookupConfig:
         5.0, "how long an open breaker answers misses at once before it lets one probe through",
         lambda v: 0 < v <= 3600, "> 0 and <= 3600")
     lookup_transport: str = _key(
-        UPSTREAM,
-        f"`{UPSTREAM}` (vLLM's own lookup server, one lookup in flight) or `{PIPELINED}` (ours, many in flight)",
+        PIPELINED,
+        f"`{PIPELINED}` (ours: a step's lookups in one frame, answered with one store call; the worker's "
+        f"rank 0 serves it) or `{UPSTREAM}` (vLLM's own lookup server, one lookup in flight)",
         lambda v: v in TRANSPORTS, " or ".join(TRANSPORTS))
     lookup_on_admission: bool = _key(
         True, "start the lookup when the request arrives (`on_new_request`), not at its first scheduling")
@@ -110,16 +134,23 @@ class LookupConfig:
         return self.lookup_timeout_ms / 1000.0
 
     @property
-    def wait_s(self) -> float:
-        """The async wait budget, in seconds."""
+    def wait_s(self) -> float | None:
+        """The async wait budget per step, in seconds; ``None`` for ``auto``."""
+        if isinstance(self.lookup_wait_us, str):
+            return None
         return self.lookup_wait_us / 1e6
 
     @property
+    def answer_ttl_s(self) -> float:
+        """How long a held answer may be served, in seconds."""
+        return self.lookup_answer_ttl_ms / 1000.0
+
+    @property
     def mode(self) -> str:
-        """``sync``, ``async`` or ``budget`` (async with a wait budget): the ``mode`` label of metrics."""
+        """``sync``, ``async`` or ``budget`` (async with a wait budget, fixed or auto): the ``mode`` label."""
         if not self.lookup_async:
             return "sync"
-        return "budget" if self.lookup_wait_us > 0 else "async"
+        return "budget" if self.lookup_wait_us == "auto" or self.lookup_wait_us else "async"
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> LookupConfig:
@@ -141,9 +172,17 @@ class LookupConfig:
         return dataclasses.asdict(self)
 
 
+def _kind(hint: Any) -> type:
+    """The value type of a field: ``int | str`` (a number, or one of the key's words) is an ``int`` key."""
+    if isinstance(hint, type):
+        return hint
+    return next(t for t in typing.get_args(hint) if t is not str)
+
+
 def _keys() -> tuple[Key, ...]:
     kinds = typing.get_type_hints(LookupConfig)
-    return tuple(Key(f.name, f.default, kinds[f.name], **f.metadata[_META]) for f in dataclasses.fields(LookupConfig))
+    return tuple(Key(f.name, f.default, _kind(kinds[f.name]), **f.metadata[_META])
+                 for f in dataclasses.fields(LookupConfig))
 
 
 KEYS: tuple[Key, ...] = _keys()

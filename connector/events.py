@@ -17,7 +17,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -53,25 +53,39 @@ class LookupRecord:
     hit_tokens: int = 0
     deferrals: int = 0
     error: str | None = None
+    # The request's own trace context (vLLM's ``trace_headers``), so its lookup span can join the trace.
+    trace_headers: Mapping[str, str] | None = None
     # Observers keep their own per-lookup state here (a span, say), keyed by their own name.
     scratch: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def sent(self) -> bool:
+        """True once the lookup left for the server (``t_start`` is when it was sent)."""
+        return self.t_start is not None
+
+    @property
+    def store_answered(self) -> bool:
+        """True when the store itself answered (a hit or a miss): only then were its tokens really queried."""
+        return self.outcome is Outcome.HIT or self.outcome is Outcome.MISS
+
+    @property
     def queue_seconds(self) -> float | None:
-        """Time from submit until the transport took the lookup."""
+        """Time from submit until the lookup was sent (``None`` if it never was)."""
         return None if self.t_start is None else self.t_start - self.t_submit
 
     @property
     def rpc_seconds(self) -> float | None:
-        """Round trip to the lookup server."""
+        """Round trip to the lookup server (``None`` unless it was sent and answered)."""
         if self.t_start is None or self.t_answer is None:
             return None
         return self.t_answer - self.t_start
 
     @property
     def total_seconds(self) -> float | None:
-        """From submit until the caller used the answer."""
-        return None if self.t_consume is None else self.t_consume - self.t_submit
+        """From submit until the caller used the answer (``None`` for lookups refused without being sent)."""
+        if self.t_consume is None or self.t_start is None:
+            return None
+        return self.t_consume - self.t_submit
 
 
 class LookupObserver(Protocol):
@@ -86,6 +100,8 @@ class LookupObserver(Protocol):
     def breaker_changed(self, is_open: bool) -> None: ...
     def scheduler_call(self, mode: str, seconds: float) -> None: ...
     def late_reply(self) -> None: ...
+    def answer_dropped(self, rec: LookupRecord, reason: str) -> None: ...
+    def step_ended(self, wait_budget_s: float, held: int) -> None: ...
 
 
 class NullObserver:
@@ -116,72 +132,69 @@ class NullObserver:
         """Time one scheduler call spent inside the lookup path (``mode``: sync, async, budget)."""
 
     def late_reply(self) -> None:
-        """A reply came for a lookup that had already ended, or for none (transport thread)."""
+        """A reply came for a lookup that had already ended, or for none."""
+
+    def answer_dropped(self, rec: LookupRecord, reason: str) -> None:
+        """A held answer was forgotten before use: ``expired`` (older than its TTL) or ``evicted`` (bound)."""
+
+    def step_ended(self, wait_budget_s: float, held: int) -> None:
+        """A scheduling step ended: the next step's wait budget, and the answers held for waiting requests."""
 
 
-_EVENTS = ("submitted", "started", "answered", "deferred", "consumed", "discarded", "breaker_changed",
-           "scheduler_call", "late_reply")
+def events_of(base: type) -> tuple[str, ...]:
+    """The event names of an observer base class: its public methods."""
+    return tuple(n for n in vars(base) if not n.startswith("_") and callable(getattr(base, n)))
 
 
-class ObserverSet(NullObserver):
-    """Fans events out to several observers; one that raises is logged and skipped, never propagated.
+_EVENTS = events_of(NullObserver)
 
-    Each event calls only the observers that override it, found once when an observer is added, so an
-    event nobody listens to costs one empty loop.
+
+class FanOut:
+    """Calls every observer that overrides an event of ``base``; one that raises is logged, never propagated.
+
+    Each event is an attribute bound once, when an observer is added: a no-op when nobody listens, a
+    guarded direct call for one listener, a guarded loop for several. Used for the client's events
+    (:class:`ObserverSet`) and the lookup server's.
     """
 
-    def __init__(self, observers: Sequence[LookupObserver] = ()) -> None:
-        self.observers: list[LookupObserver] = []
-        self._handlers: dict[str, tuple[Any, ...]] = {name: () for name in _EVENTS}
+    def __init__(self, observers: Sequence[Any] = (), *, base: type) -> None:
+        self.observers: list[Any] = []
+        self._base = base
+        self._events = events_of(base)
+        self._handlers: dict[str, tuple[Any, ...]] = {name: () for name in self._events}
         for obs in observers:
             self.add(obs)
 
-    def add(self, observer: LookupObserver) -> None:
+    def add(self, observer: Any) -> None:
         """Attach one more observer."""
         self.observers.append(observer)
-        for name in _EVENTS:
+        for name in self._events:
             method = getattr(observer, name, None)
-            if method is None or getattr(method, "__func__", None) is getattr(NullObserver, name):
+            if method is None or getattr(method, "__func__", None) is getattr(self._base, name):
                 continue  # not overridden: nothing to call
-            self._handlers[name] = (*self._handlers[name], method)
+            self._handlers[name] = handlers = (*self._handlers[name], method)
+            setattr(self, name, _dispatcher(name, handlers))
 
     def listens(self, event: str) -> bool:
         """True if some observer overrides ``event``."""
         return bool(self._handlers[event])
 
-    def _emit(self, name: str, *args: Any) -> None:
-        for handler in self._handlers[name]:
+
+def _dispatcher(name: str, handlers: tuple[Any, ...]) -> Any:
+    def emit(*args: Any) -> None:
+        for handler in handlers:
             try:
                 handler(*args)
             except Exception:  # telemetry must never break a lookup
-                logger.exception("lookup observer %r failed in %s", handler, name)
+                logger.exception("observer %r failed in %s", handler, name)
+    return emit
 
-    def submitted(self, rec: LookupRecord) -> None:
-        self._emit("submitted", rec)
 
-    def started(self, rec: LookupRecord) -> None:
-        self._emit("started", rec)
+class ObserverSet(FanOut, NullObserver):
+    """Fans lookup events out to several lookup observers (see :class:`FanOut`)."""
 
-    def answered(self, rec: LookupRecord) -> None:
-        self._emit("answered", rec)
-
-    def deferred(self, rec: LookupRecord) -> None:
-        self._emit("deferred", rec)
-
-    def consumed(self, rec: LookupRecord) -> None:
-        self._emit("consumed", rec)
-
-    def discarded(self, rec: LookupRecord) -> None:
-        self._emit("discarded", rec)
-
-    def breaker_changed(self, is_open: bool) -> None:
-        self._emit("breaker_changed", is_open)
-
-    def scheduler_call(self, mode: str, seconds: float) -> None:
-        self._emit("scheduler_call", mode, seconds)
-
-    def late_reply(self) -> None:
-        self._emit("late_reply")
+    def __init__(self, observers: Sequence[LookupObserver] = ()) -> None:
+        super().__init__(observers, base=NullObserver)
 
 
 class BackgroundObserver(NullObserver):
@@ -283,5 +296,5 @@ class OutcomeCounter(NullObserver):
         return sum(self.outcomes[o] for o in outcomes)
 
 
-__all__ = ["BackgroundObserver", "LookupObserver", "LookupRecord", "NullObserver", "ObserverSet", "Outcome",
-           "OutcomeCounter"]
+__all__ = ["BackgroundObserver", "FanOut", "LookupObserver", "LookupRecord", "NullObserver", "ObserverSet", "Outcome",
+           "OutcomeCounter", "events_of"]

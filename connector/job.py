@@ -1,15 +1,17 @@
 """What a transport carries: one lookup job, its answer, and the result type the scheduler reads.
 
-A job's answer is written once, by the transport's thread; the caller only reads it. The caller keeps
-its own deadline and treats an answer that has not come by then as a timeout, so no lock is shared.
+A job's answer is written once: by the caller's thread (the ``pipelined`` transport, which the caller
+drives) or by the transport's own thread (``upstream``). The caller only reads it and keeps the
+deadline, so no lock is shared; a threaded transport gives the job a :class:`DoneFlag` to wait on.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 from mooncake_lookout.connector.events import LookupObserver, LookupRecord, Outcome
 
@@ -40,6 +42,9 @@ class Answer:
     outcome: Outcome
     result: LookupResult = MISS
     error: str | None = None
+    # Made by the client without a word from the server (refused, or given up while still queued): never
+    # evidence about the server's health, so never fed to the circuit breaker.
+    local: bool = False
 
     @classmethod
     def from_result(cls, result: LookupResult) -> Answer:
@@ -48,8 +53,56 @@ class Answer:
 
     @property
     def failed(self) -> bool:
-        """True for answers that count against the circuit breaker."""
-        return self.outcome in (Outcome.ERROR, Outcome.TIMEOUT)
+        """True for answers that count against the circuit breaker (the server was asked and failed)."""
+        return not self.local and self.outcome in (Outcome.ERROR, Outcome.TIMEOUT)
+
+    @property
+    def kept(self) -> bool:
+        """True for answers worth holding until the request is allocated: the store's own hit or miss."""
+        return self.outcome in (Outcome.HIT, Outcome.MISS)
+
+
+class HashBlob(Sequence[bytes]):
+    """Block hashes concatenated in one ``bytes`` (how both wire formats carry them), read as a sequence.
+
+    Slicing and indexing copy only the hashes asked for; :meth:`hex` gives every hash's hex digits at
+    the cost of one ``bytes.hex`` (store keys are built from them).
+    """
+
+    __slots__ = ("blob", "hash_len")
+
+    def __init__(self, blob: bytes, hash_len: int) -> None:
+        self.blob = blob
+        self.hash_len = hash_len
+
+    def __len__(self) -> int:
+        return len(self.blob) // self.hash_len if self.hash_len else 0
+
+    @overload
+    def __getitem__(self, i: int) -> bytes: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[bytes]: ...
+
+    def __getitem__(self, i: int | slice) -> bytes | list[bytes]:
+        n, size = len(self), self.hash_len
+        if isinstance(i, slice):
+            return [self.blob[k * size:(k + 1) * size] for k in range(*i.indices(n))]
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(i)
+        return self.blob[i * size:(i + 1) * size]
+
+    def __iter__(self) -> Iterator[bytes]:
+        size = self.hash_len
+        return (self.blob[k * size:(k + 1) * size] for k in range(len(self)))
+
+    def hex(self, count: int | None = None) -> list[str]:
+        """Hex digits of the first ``count`` hashes (all by default)."""
+        n = len(self) if count is None else min(count, len(self))
+        step = 2 * self.hash_len
+        digits = self.blob[:n * self.hash_len].hex()
+        return [digits[k:k + step] for k in range(0, n * step, step)]
 
 
 class DoneFlag:
@@ -81,43 +134,55 @@ class DoneFlag:
 
 
 class LookupJob:
-    """One lookup on its way through a transport."""
+    """One lookup on its way through a transport.
 
-    __slots__ = ("rec", "num_tokens", "block_hashes", "deadline", "answer", "done", "cancelled", "_observer")
+    ``deadline`` is set when the job is sent (``sent_at`` + the lookup timeout): time spent waiting in the
+    client's own queue is not the server's fault, so it never counts against the deadline.
+    """
 
-    def __init__(self, rec: LookupRecord, block_hashes: Sequence[bytes], deadline: float,
+    __slots__ = ("rec", "num_tokens", "block_hashes", "timeout_s", "latest", "sent_at", "deadline", "answer",
+                 "done", "cancelled", "lookup_id", "_observer")
+
+    def __init__(self, rec: LookupRecord, block_hashes: Sequence[bytes], timeout_s: float,
                  observer: LookupObserver) -> None:
         self.rec = rec
         self.num_tokens = rec.num_tokens
         self.block_hashes = block_hashes
-        self.deadline = deadline  # time.perf_counter() seconds
+        self.timeout_s = timeout_s
+        # The latest the deadline may be, whenever the job is sent (a blocking caller's own bound).
+        self.latest: float | None = None
+        self.sent_at: float | None = None
+        self.deadline: float | None = None
         self.answer: Answer | None = None
-        self.done = DoneFlag()
+        self.done: DoneFlag | None = None  # given by a transport that answers from its own thread
         # Set by the caller when nobody wants the answer any more; a transport skips a cancelled job it has
         # not sent yet (a plain attribute: written by one thread, read by another, no lock needed).
         self.cancelled = False
+        self.lookup_id = 0
         self._observer = observer
 
-    def remaining(self, now: float | None = None) -> float:
-        """Seconds left before the deadline (negative once past it)."""
-        return self.deadline - (time.perf_counter() if now is None else now)
+    def expired(self, now: float) -> bool:
+        """True once the job was sent and its deadline has passed without an answer."""
+        return self.answer is None and self.deadline is not None and now >= self.deadline
 
-    def start(self) -> None:
-        """Mark the job taken off the queue (transport thread)."""
-        self.rec.t_start = time.perf_counter()
+    def sent(self, now: float | None = None) -> None:
+        """Mark the job on the wire: its deadline starts now."""
+        now = time.perf_counter() if now is None else now
+        self.sent_at = now
+        self.deadline = now + self.timeout_s if self.latest is None else min(now + self.timeout_s, self.latest)
+        self.rec.t_start = now
         self._observer.started(self.rec)
 
     def finish(self, answer: Answer) -> None:
-        """Record the answer (transport thread, exactly once per job)."""
+        """Record the answer (exactly once per job; later calls are ignored)."""
         if self.answer is not None:
             return
         rec = self.rec
         rec.t_answer = time.perf_counter()
-        if rec.t_start is None:
-            rec.t_start = rec.t_answer
         self.answer = answer
         self._observer.answered(rec)
-        self.done.set()
+        if self.done is not None:
+            self.done.set()
 
 
-__all__ = ["Answer", "DoneFlag", "LookupJob", "LookupResult", "MISS", "TailKeyBoundary"]
+__all__ = ["Answer", "DoneFlag", "HashBlob", "LookupJob", "LookupResult", "MISS", "TailKeyBoundary"]

@@ -3,13 +3,14 @@
 Upstream's logic (load specs, store jobs, block pinning) is inherited unchanged; this class only changes
 how a lookup is started, waited for, timed and forgotten:
 
-* a lookup starts when the request arrives (``on_new_request``) if ``lookup_on_admission``;
-* ``get_num_new_matched_tokens`` keeps vLLM's ``(None, False)`` = "ask again later" contract and is
-  timed (``scheduler_call`` events); in async mode the scheduler may wait for almost-ready answers, but
-  ``lookup_wait_us`` is a budget per scheduling step, shared by all its calls, so a step with many new
-  requests still waits that long at most;
+* a lookup starts when the request arrives (``on_new_request``) if ``lookup_on_admission``; the lookups of
+  a step leave together at the step's first lookup call, and :meth:`build_connector_meta` (once per step)
+  tells the client the step is over (it sends what is left and sets the next step's wait budget);
+* ``get_num_new_matched_tokens`` keeps vLLM's ``(None, False)`` = "ask again later" contract; it and
+  ``on_new_request`` are timed as time the scheduler spent in the lookup path (``scheduler_call`` events);
 * an answer is kept until the request is allocated, so a failed allocation costs no second round trip;
 * lookups of finished, aborted and preempted requests are discarded.
+* the request's ``trace_headers`` ride on its lookup's record, so its span joins the request's trace.
 """
 
 from __future__ import annotations
@@ -48,8 +49,6 @@ class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
         self.lookup_async = config.lookup_async
         self.client = LookupClient(config, make_transport(config, lookup_address(vllm_config, config)),
                                    observer=observer)
-        self.client.hit_block_size = self._block_size
-        self._step_budget_s = config.wait_s
         self.observers = self.client.observers
         # vLLM's stats pipeline (served on vLLM's own /metrics) and, if OTEL_* asks for it, spans.
         from mooncake_lookout.metrics.tracing import tracing_observer_from_env
@@ -58,7 +57,7 @@ class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
         self.stats = LookupStatsCollector()
         self.observers.add(self.stats)
         self.tracer = tracing_observer_from_env()
-        self._tracing = None
+        self._tracing: BackgroundObserver | None = None
         if self.tracer is not None:
             self._tracing = BackgroundObserver(self.tracer, name="lookout-tracing")
             self.observers.add(self._tracing)
@@ -66,30 +65,26 @@ class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
     def _lookup_align(self) -> int:
         return self._hash_block_size if self.enable_partial_hash_hits else self._block_size
 
-    def _trace_parent(self, request: Any) -> None:
-        """Make the request's own trace (vLLM's ``trace_headers``) the parent of its lookup span."""
-        if self.tracer is not None and not self.client.has(request.request_id):
-            self.tracer.set_parent_headers(request.request_id, request.trace_headers)
-
     def on_new_request(self, request: Any) -> None:
         """Start the lookup at admission, so its answer is usually ready by the first scheduling attempt."""
-        self._trace_parent(request)
-        if (self.lookup_config.lookup_on_admission and self.enable_lookup
+        if not (self.lookup_config.lookup_on_admission and self.enable_lookup
                 and request.num_tokens >= self._lookup_align()):
-            self.client.start(request.request_id, request.num_tokens, request.block_hashes)
+            return
+        t0 = time.perf_counter()
+        self.client.start(request.request_id, request.num_tokens, request.block_hashes,
+                          trace_headers=request.trace_headers, admission=True)
+        self.observers.scheduler_call(self.lookup_config.mode, time.perf_counter() - t0)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Upstream's answer (``(None, False)`` while pending), timed as time spent blocking the scheduler."""
         t0 = time.perf_counter()
-        self._trace_parent(request)
-        self.client.wait_s = self._step_budget_s
         try:
+            if request.trace_headers and self.enable_lookup and request.num_tokens >= self._lookup_align():
+                self.client.start(request.request_id, request.num_tokens, request.block_hashes,
+                                  trace_headers=request.trace_headers)
             return super().get_num_new_matched_tokens(request, num_computed_tokens)
         finally:
-            spent = time.perf_counter() - t0
-            if self._step_budget_s > 0:
-                self._step_budget_s = max(0.0, self._step_budget_s - spent)
-            self.observers.scheduler_call(self.lookup_config.mode, spent)
+            self.observers.scheduler_call(self.lookup_config.mode, time.perf_counter() - t0)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """The answer has been used for an allocation: it need not be kept any longer."""
@@ -97,10 +92,11 @@ class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
         self.client.discard(request.request_id)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
-        """Forget lookups of requests preempted this step; their prompt grew, so a fresh lookup is due."""
+        """The step is over: forget lookups of requests preempted this step (their prompt grew), and let the
+        client send what is left and set the next step's wait budget."""
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self.client.discard(req_id)
-        self._step_budget_s = self.lookup_config.wait_s  # once per step: the next step's wait budget
+        self.client.end_step()
         return super().build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Any) -> None:
@@ -114,9 +110,8 @@ class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
     def close(self) -> None:
         """Stop the lookup client and its transport, then flush spans."""
         self.client.close()
-        if self.tracer is not None:
-            if self._tracing is not None:
-                self._tracing.close()
+        if self.tracer is not None and self._tracing is not None:
+            self._tracing.close()
             self.tracer.shutdown()
 
 

@@ -139,7 +139,7 @@ class LiveStack(contextlib.ExitStack):
         self.callback(reader.close)
         self.filler = PrefixIndex(writer, BLOCK)
         server_registry = CollectorRegistry()
-        self.server = self.enter_context(LookupServer(PrefixIndex(reader, BLOCK), "tcp://127.0.0.1:0", workers=2,
+        self.server = self.enter_context(LookupServer(PrefixIndex(reader, BLOCK), "tcp://127.0.0.1:0",
                                                       observers=[ServerMetrics(server_registry)]))
         server_ep = self.enter_context(serve_metrics(0, registry=server_registry))
         self.drivers: dict[str, Any] = {}

@@ -46,8 +46,9 @@ WHAT_TO_CHANGE = """\
   on the store: switch to `lookup_async: true` (with a budget if deferrals then hurt).
 * **Deferred steps p95 >= 2 in async mode** - answers come later than one step: look at the round trip and
   the server queue on the Overview; use the `pipelined` transport if lookups queue behind each other.
-* **Round trip p95 below one step (~1 ms)** - set `lookup_wait_us` to about the round-trip p95 (in us):
-  most answers then arrive inside the budget and defer 0 steps, while blocked time stays bounded.
+* **Round trip p95 below one step (~1 ms)** - set `lookup_wait_us: auto` (it follows the round trip's p90,
+  capped by `lookup_wait_auto_share` of the step) or a fixed budget near the round-trip p95 (in us): most
+  answers then arrive inside the budget and defer 0 steps, while blocked time stays bounded.
 * **Delay minus round trip is large** - the answer was ready but the request waited for its next step.
 """
 
@@ -84,6 +85,20 @@ def _panels(p: Panels) -> list[tuple[db.Row, list[Any]]]:
                          "requests parked for a lookup answer; empty outside vLLM.",
                          [Query(q.gauge(km.REQUESTS_WAITING_BY_REASON, "sum", ("reason",)), "{{reason}}")],
                          "none", width=8),
+        ]),
+        (p.row("Wait budget and held answers"), [
+            p.timeseries("Wait budget in force vs round trip", "The per-step wait budget the client runs with "
+                         "(lookup_wait_us, or what auto chose from the measured round trip) beside the round "
+                         "trip's p90: a budget above the p90 uses most answers in the step they were asked for.",
+                         [Query(q.gauge(c.WAIT_BUDGET_SECONDS.name, "max", BY_INSTANCE), "budget {{instance}}"),
+                          Query(q.quantile(c.RPC_SECONDS, 0.9, BY_INSTANCE), "round trip p90 {{instance}}")], "s"),
+            p.timeseries("Answers held for waiting requests", "Answers kept until their requests are allocated, "
+                         "against lookup_max_held; forgotten ones per second by reason (expired: older than "
+                         "lookup_answer_ttl_ms; evicted: over the bound) are asked again when needed.",
+                         [Query(q.gauge(c.HELD.name, "sum", BY_INSTANCE), "held {{instance}}"),
+                          Query(q.gauge(c.MAX_HELD.name, "max", BY_INSTANCE), "bound {{instance}}"),
+                          Query(q.counter_rate(c.ANSWERS_DROPPED, ("reason", "instance")),
+                                "dropped/s {{reason}} {{instance}}")], "none"),
         ]),
         (p.row("Lookup delay (what the answer costs end to end)"), [
             p.timeseries("Submit to answer used", "From submitting a lookup to the scheduler using the answer.",

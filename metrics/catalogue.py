@@ -22,6 +22,7 @@ BATCH_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
 
 OUTCOMES: tuple[str, ...] = tuple(o.value for o in Outcome)  # the ``outcome`` label: how a lookup ended
 MODES: tuple[str, ...] = ("sync", "async", "budget")
+DROP_REASONS: tuple[str, ...] = ("expired", "evicted")
 SERVER_STATUSES: tuple[str, ...] = ("ok", "error", "bad_request")
 
 
@@ -57,18 +58,29 @@ def _m(key: str, kind: str, help: str, labels: tuple[str, ...] = (), buckets: tu
 
 
 REQUESTS = _m("requests", "counter", "Lookups by how they ended.", ("outcome",))
-QUERIED_TOKENS = _m("queried_tokens", "counter", "Prompt tokens asked about.")
+QUERIED_TOKENS = _m("queried_tokens", "counter", "Prompt tokens the store answered for (hits and misses).")
 HIT_TOKENS = _m("hit_tokens", "counter", "Prompt tokens found in the store.")
-PENDING = _m("pending", "gauge", "Lookups submitted and not yet consumed or discarded.")
+PENDING = _m("pending", "gauge", "Lookups queued or in flight, not yet answered to the scheduler.")
 MAX_PENDING = _m("max_pending", "gauge", "The configured bound on pending lookups (lookup_max_pending).")
+HELD = _m("held", "gauge", "Answers held for requests not yet allocated.")
+MAX_HELD = _m("max_held", "gauge", "The configured bound on held answers (lookup_max_held).")
+ANSWERS_DROPPED = _m("answers_dropped", "counter",
+                     "Held answers forgotten before use: expired (older than lookup_answer_ttl_ms), evicted (bound).",
+                     ("reason",))
+WAIT_BUDGET_SECONDS = _m("wait_budget_seconds", "gauge",
+                         "The per-step wait budget in force (lookup_wait_us, or what auto chose).")
 DEFERRALS = _m("deferrals", "counter", "Times the scheduler got None and retried on a later step.")
 DEFERRED_STEPS = _m("deferred_steps", "histogram",
                     "Per lookup: scheduler steps deferred before its answer was used.", (), STEPS_BUCKETS)
-QUEUE_SECONDS = _m("queue_seconds", "histogram", "Time a lookup waited for the transport.", (), SECONDS_BUCKETS)
-RPC_SECONDS = _m("rpc_seconds", "histogram", "Round trip of one lookup to the lookup server.", (), SECONDS_BUCKETS)
-SECONDS = _m("seconds", "histogram", "From submit to the answer being used.", (), SECONDS_BUCKETS)
+QUEUE_SECONDS = _m("queue_seconds", "histogram", "Time a lookup waited in the client before it was sent.", (),
+                   SECONDS_BUCKETS)
+RPC_SECONDS = _m("rpc_seconds", "histogram", "Round trip of one sent lookup to the lookup server.", (),
+                 SECONDS_BUCKETS)
+SECONDS = _m("seconds", "histogram", "From submit to the answer being used (lookups that were sent).", (),
+             SECONDS_BUCKETS)
 SCHEDULER_BLOCKED_SECONDS = _m("scheduler_blocked_seconds", "histogram",
-                               "Time one scheduler call spent inside the lookup path.", ("mode",), SECONDS_BUCKETS)
+                               "Time one scheduler call (admission or lookup) spent inside the lookup path.",
+                               ("mode",), SECONDS_BUCKETS)
 BREAKER_OPEN = _m("breaker_open", "gauge", "1 while the circuit breaker is open.")
 LATE_REPLIES = _m("late_replies", "counter", "Replies dropped because their lookup had already ended or was unknown.")
 INFO = _m("info", "gauge", "Lookup configuration, value 1.", ("transport", "lookup_async", "mode",
@@ -87,8 +99,9 @@ SERVER_STORE_ERRORS = _m("server_store_errors", "counter", "Store calls that fai
                          side="server")
 
 CATALOGUE: tuple[MetricSpec, ...] = (
-    REQUESTS, QUERIED_TOKENS, HIT_TOKENS, PENDING, MAX_PENDING, DEFERRALS, DEFERRED_STEPS, QUEUE_SECONDS,
-    RPC_SECONDS, SECONDS, SCHEDULER_BLOCKED_SECONDS, BREAKER_OPEN, LATE_REPLIES, INFO,
+    REQUESTS, QUERIED_TOKENS, HIT_TOKENS, PENDING, MAX_PENDING, HELD, MAX_HELD, ANSWERS_DROPPED, WAIT_BUDGET_SECONDS,
+    DEFERRALS, DEFERRED_STEPS, QUEUE_SECONDS, RPC_SECONDS, SECONDS, SCHEDULER_BLOCKED_SECONDS, BREAKER_OPEN,
+    LATE_REPLIES, INFO,
     SERVER_REQUESTS, SERVER_QUEUE_DEPTH, SERVER_INFLIGHT, SERVER_STORE_SECONDS, SERVER_BATCH_SIZE,
     SERVER_STORE_ERRORS,
 )
@@ -101,6 +114,6 @@ def all_series_names() -> set[str]:
 
 
 __all__ = [
-    "BY_NAME", "CATALOGUE", "MODES", "MetricSpec", "OUTCOMES", "PREFIX", "SECONDS_BUCKETS", "SERVER_STATUSES",
-    "all_series_names",
+    "BY_NAME", "CATALOGUE", "DROP_REASONS", "MODES", "MetricSpec", "OUTCOMES", "PREFIX", "SECONDS_BUCKETS",
+    "SERVER_STATUSES", "all_series_names",
 ]

@@ -60,6 +60,11 @@ class PrometheusSink(NullObserver):
         self._hit = make_metric(cat.HIT_TOKENS, registry)
         self._pending = make_metric(cat.PENDING, registry)
         self._max_pending = make_metric(cat.MAX_PENDING, registry)
+        self._held = make_metric(cat.HELD, registry)
+        self._max_held = make_metric(cat.MAX_HELD, registry)
+        dropped = make_metric(cat.ANSWERS_DROPPED, registry)
+        self._dropped = {r: dropped.labels(r) for r in cat.DROP_REASONS}
+        self._budget = make_metric(cat.WAIT_BUDGET_SECONDS, registry)
         self._deferrals = make_metric(cat.DEFERRALS, registry)
         self._deferred_steps = make_metric(cat.DEFERRED_STEPS, registry)
         self._queue = make_metric(cat.QUEUE_SECONDS, registry)
@@ -83,6 +88,9 @@ class PrometheusSink(NullObserver):
         self._info.clear()
         self._info.labels(**info_labels(config)).set(1)
         self._max_pending.set(config.lookup_max_pending)
+        self._max_held.set(config.lookup_max_held)
+        if config.wait_s is not None:
+            self._budget.set(config.wait_s if config.lookup_async else 0.0)
 
     def submitted(self, rec: LookupRecord) -> None:
         self._pending.inc()
@@ -94,7 +102,8 @@ class PrometheusSink(NullObserver):
         outcome = rec.outcome.value if rec.outcome is not None else Outcome.ERROR.value
         self._outcome[outcome].inc()
         self._pending.dec()
-        self._queried.inc(rec.num_tokens)
+        if rec.store_answered:
+            self._queried.inc(rec.num_tokens)
         if rec.hit_tokens:
             self._hit.inc(rec.hit_tokens)
         self._deferred_steps.observe(rec.deferrals)
@@ -111,6 +120,13 @@ class PrometheusSink(NullObserver):
 
     def breaker_changed(self, is_open: bool) -> None:
         self._breaker.set(1 if is_open else 0)
+
+    def answer_dropped(self, rec: LookupRecord, reason: str) -> None:
+        self._dropped[reason].inc()
+
+    def step_ended(self, wait_budget_s: float, held: int) -> None:
+        self._budget.set(wait_budget_s)
+        self._held.set(held)
 
     def scheduler_call(self, mode: str, seconds: float) -> None:
         child = self._blocked.get(mode)

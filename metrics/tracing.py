@@ -20,8 +20,8 @@ Spans
     transport only pay a queue put. Request ids appear only hashed (``gen_ai.request.id``).
 
 Parent from vLLM
-    The scheduler adapter calls :meth:`TracingObserver.set_parent_headers` with ``Request.trace_headers``
-    before it starts the lookup; the headers are taken (and forgotten) at submit, and extracted with the
+    The scheduler adapter hands ``Request.trace_headers`` to the client when it starts the lookup; they
+    ride on the lookup's own record (no state shared between threads), and are extracted with the
     propagators of ``OTEL_PROPAGATORS`` (W3C ``traceparent`` by default) when the spans are built.
 
 The provider is private to this module's observer (it does not replace a global one vLLM may set),
@@ -33,7 +33,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Mapping
 from typing import Any
 
 from opentelemetry import propagate, trace
@@ -58,10 +57,7 @@ ATTR_TRANSPORT = "mooncake.lookup.transport"
 ATTR_GENERATION = "mooncake.lookup.generation"
 ATTR_ERROR = "mooncake.lookup.error"
 DEFAULT_SERVICE_NAME = "mooncake-lookout"
-# set_parent_headers entries whose lookup never came are dropped past this many (oldest first).
-MAX_PARENT_HEADERS = 4096
 
-_PARENT_KEY = "tracing.parent"
 _FAILED = frozenset({Outcome.ERROR, Outcome.TIMEOUT})
 
 
@@ -81,27 +77,11 @@ class TracingObserver(NullObserver):
     def __init__(self, tracer: Tracer, provider: TracerProvider | None = None) -> None:
         self.tracer = tracer
         self.provider = provider
-        self._parents: dict[str, Mapping[str, str]] = {}
         # perf_counter seconds -> epoch nanoseconds, for explicit span times.
         self._offset_ns = time.time_ns() - time.perf_counter_ns()
 
-    def set_parent_headers(self, req_id: str, headers: Mapping[str, str] | None) -> None:
-        """Make the next lookup of ``req_id`` a child of the trace in ``headers`` (vLLM's ``trace_headers``)."""
-        if not headers:
-            return
-        parents = self._parents
-        parents.pop(req_id, None)  # re-set: move to the newest end, so eviction takes the oldest
-        parents[req_id] = headers
-        if len(parents) > MAX_PARENT_HEADERS:
-            parents.pop(next(iter(parents)), None)
-
     def _ns(self, t: float) -> int:
         return int(t * 1e9) + self._offset_ns
-
-    def submitted(self, rec: LookupRecord) -> None:
-        headers = self._parents.pop(rec.req_id, None)
-        if headers:
-            rec.scratch[_PARENT_KEY] = headers
 
     def consumed(self, rec: LookupRecord) -> None:
         self._record(rec)
@@ -110,7 +90,7 @@ class TracingObserver(NullObserver):
         self._record(rec)
 
     def _record(self, rec: LookupRecord) -> None:
-        headers = rec.scratch.pop(_PARENT_KEY, None)
+        headers = rec.trace_headers
         ctx = propagate.extract(headers) if headers else None
         end = rec.t_consume if rec.t_consume is not None else time.perf_counter()
         span = self.tracer.start_span(SPAN_LOOKUP, context=ctx, start_time=self._ns(rec.t_submit))

@@ -14,8 +14,8 @@ How the figures travel (vLLM 0.33):
    ``model_name`` and ``engine``. Upstream's store-operation records in the same payload go on to
    upstream's ``MooncakeStorePromMetrics``, so replacing the connector loses none of its metrics.
 
-The collector touches its step record only on the scheduler's thread; ``late_reply`` (transport
-thread) bumps a plain integer that the scheduler reads, never a shared structure. No lock anywhere.
+The collector touches its step record only on the scheduler's thread; ``late_reply`` (on the ``upstream``
+transport's thread) bumps a plain integer that the scheduler reads, never a shared structure. No lock anywhere.
 """
 
 from __future__ import annotations
@@ -54,6 +54,10 @@ _DEFERRALS = cat.DEFERRALS.key
 _LATE = cat.LATE_REPLIES.key
 _PENDING = cat.PENDING.key
 _MAX_PENDING = cat.MAX_PENDING.key
+_HELD = cat.HELD.key
+_MAX_HELD = cat.MAX_HELD.key
+_DROPPED = cat.ANSWERS_DROPPED.key
+_BUDGET = cat.WAIT_BUDGET_SECONDS.key
 _BREAKER = cat.BREAKER_OPEN.key
 _STEPS = cat.DEFERRED_STEPS.key
 _QUEUE = cat.QUEUE_SECONDS.key
@@ -66,7 +70,7 @@ _HISTOGRAMS = (_STEPS, _QUEUE, _RPC, _SECONDS)
 
 def _new_step(pending: int) -> dict[str, Any]:
     return {_REQUESTS: {}, _QUERIED: 0, _HIT: 0, _DEFERRALS: 0, _LATE: 0, _PENDING: pending,
-            _STEPS: [], _QUEUE: [], _RPC: [], _SECONDS: [], _BLOCKED: {}}
+            _STEPS: [], _QUEUE: [], _RPC: [], _SECONDS: [], _BLOCKED: {}, _DROPPED: {}}
 
 
 @dataclass
@@ -152,7 +156,8 @@ class LookupStatsCollector(NullObserver):
         step = self._current()
         outcome = rec.outcome.value if rec.outcome is not None else Outcome.ERROR.value
         step[_REQUESTS][outcome] = step[_REQUESTS].get(outcome, 0) + 1
-        step[_QUERIED] += rec.num_tokens
+        if rec.store_answered:
+            step[_QUERIED] += rec.num_tokens
         step[_HIT] += rec.hit_tokens
         step[_STEPS].append(rec.deferrals)
         if (q := rec.queue_seconds) is not None:
@@ -173,6 +178,15 @@ class LookupStatsCollector(NullObserver):
 
     def breaker_changed(self, is_open: bool) -> None:
         self._current()[_BREAKER] = 1 if is_open else 0
+
+    def answer_dropped(self, rec: LookupRecord, reason: str) -> None:
+        dropped = self._current()[_DROPPED]
+        dropped[reason] = dropped.get(reason, 0) + 1
+
+    def step_ended(self, wait_budget_s: float, held: int) -> None:
+        step = self._current()
+        step[_BUDGET] = wait_budget_s
+        step[_HELD] = held
 
     def scheduler_call(self, mode: str, seconds: float) -> None:
         self._current()[_BLOCKED].setdefault(mode, []).append(seconds)
@@ -220,7 +234,9 @@ class LookoutPromMetrics(KVConnectorPromMetrics):
         for engine_idx in per_engine_labelvalues:
             for outcome in cat.OUTCOMES:  # every outcome series exists from the start
                 self._child(engine_idx, _REQUESTS, outcome)
-            for key in (*_COUNTERS, _PENDING, _BREAKER):
+            for reason in cat.DROP_REASONS:
+                self._child(engine_idx, _DROPPED, reason)
+            for key in (*_COUNTERS, _PENDING, _BREAKER, _HELD, _BUDGET):
                 self._child(engine_idx, key)
         self._publish_info(vllm_config)
 
@@ -244,6 +260,7 @@ class LookoutPromMetrics(KVConnectorPromMetrics):
         for engine_idx, labelvalues in self.per_engine_labelvalues.items():
             self._families[cat.INFO.key].labels(*labelvalues, *values).set(1)
             self._child(engine_idx, _MAX_PENDING).set(config.lookup_max_pending)
+            self._child(engine_idx, _MAX_HELD).set(config.lookup_max_held)
 
     def observe(self, transfer_stats_data: dict[str, Any] | None, engine_idx: int = 0) -> None:
         """Record one stats payload (our steps and upstream's operations) for ``engine_idx``."""
@@ -274,8 +291,11 @@ class LookoutPromMetrics(KVConnectorPromMetrics):
             child = self._child(engine_idx, _BLOCKED, mode)
             for value in values:
                 child.observe(value)
-        if _PENDING in step:
-            self._child(engine_idx, _PENDING).set(step[_PENDING])
+        for reason, n in step.get(_DROPPED, {}).items():
+            self._child(engine_idx, _DROPPED, reason).inc(n)
+        for key in (_PENDING, _HELD, _BUDGET):
+            if key in step:
+                self._child(engine_idx, key).set(step[key])
         if _BREAKER in step:
             self._child(engine_idx, _BREAKER).set(step[_BREAKER])
 

@@ -112,15 +112,19 @@ def test_reset_while_lookups_are_in_flight_serves_nothing_stale(client, prefix_i
         assert poll(c, f"r{i}", 4 * BLOCK + 1, h).hit_length == 0, "a pre-reset answer was served"
 
 
-def test_pending_bound_answers_a_miss_at_once(client, upstream_server, prefix_index, make_hashes) -> None:
+def test_pending_bound_never_waits_past_it(client, upstream_server, prefix_index, make_hashes) -> None:
+    """Past the bound nothing new is started: a non-blocking ask defers (asked again next step), a blocking
+    ask, which cannot wait, gets a miss at once (rejected)."""
     c, counter = make_client(upstream_server, lookup_max_pending=4)
     try:
         hashes = make_hashes(2, seed=7)
         prefix_index.store_prefixes([hashes])
         for i in range(4):
             c.lookup(f"r{i}", 2 * BLOCK + 1, hashes, non_block=True)
-        over = c.lookup("over", 2 * BLOCK + 1, hashes, non_block=True)
-        assert over is not None and over.hit_length == 0
+        assert c.lookup("over", 2 * BLOCK + 1, hashes, non_block=True) is None and not c.has("over")
+        t0 = time.perf_counter()
+        over = c.lookup("over", 2 * BLOCK + 1, hashes)
+        assert over is not None and over.hit_length == 0 and time.perf_counter() - t0 < 0.05
         assert counter.outcomes[Outcome.REJECTED] == 1
         assert c.pending <= 4
     finally:
@@ -264,7 +268,7 @@ def test_built_from_a_vllm_config_reaches_vllms_server(upstream_server, lookup_v
                                                         make_hashes) -> None:
     """The constructor vLLM's connector uses: config from kv_connector_extra_config, vLLM's own IPC path."""
     lookup_vllm_config.kv_transfer_config.kv_connector_extra_config.update(
-        {"lookup_async": True, "lookup_timeout_ms": 250})
+        {"lookup_async": True, "lookup_timeout_ms": 250, "lookup_transport": "upstream"})
     c = LookupClient.from_vllm_config(lookup_vllm_config)
     try:
         assert c.config.lookup_async is True and c.config.timeout_s == 0.25

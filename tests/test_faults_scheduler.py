@@ -39,7 +39,10 @@ class CallTimer(NullObserver):
         self.budget.record(seconds)
 
     def deferred(self, rec: Any) -> None:
-        if time.perf_counter() > rec.t_submit + TIMEOUT_MS / 1000:
+        # A lookup's deadline runs from when it was sent (time queued in the client is not the server's);
+        # one still queued ends when the lookup ahead of it does, so its submit time bounds it.
+        start = rec.t_start if rec.t_start is not None else rec.t_submit
+        if time.perf_counter() > start + TIMEOUT_MS / 1000 + SLACK_S:
             self.late_deferrals.append(rec.req_id)
 
 
@@ -114,8 +117,13 @@ class Run:
         assert not self.timer.late_deferrals, f"told to ask again after the deadline: {self.timer.late_deferrals}"
         deadline = TIMEOUT_MS / 1000
         asked = {}
-        for rec in self.counter.records:  # the client's own submit time starts the deadline
-            asked.setdefault(rec.req_id, rec.t_submit)
+        sent = [r.t_start for r in self.counter.records if r.t_start is not None]
+        for rec in self.counter.records:
+            # A sent lookup's deadline runs from when it was sent; one never sent (queued behind others) ends
+            # when the latest lookup sent before it was asked misses its deadline.
+            start = rec.t_start if rec.t_start is not None else max(
+                [t for t in sent if t <= rec.t_consume] if rec.t_consume is not None else [], default=rec.t_submit)
+            asked.setdefault(rec.req_id, max(start, rec.t_submit))
         for req_id, step in (stats.first_scheduled_step.items() if scheduled_by_deadline else ()):
             due = asked.get(req_id, self.added_at[req_id]) + deadline
             first_after = next((i for i, t in enumerate(self.step_starts) if t >= due), len(self.step_starts))

@@ -49,9 +49,10 @@ def ask_all(rig: FaultRig, reqs: list[Any], prefix: str, *, blocking_every: int 
     Checks each call's time and every answer against the truth; returns the answers by request id.
     """
     client, timeout_s = rig.client, TIMEOUT_MS / 1000
-    t_sub: dict[str, float] = {}
-    for i, r in enumerate(reqs):  # the client's own submit time starts each deadline
-        t_sub[f"{prefix}{i}"] = client.start(f"{prefix}{i}", r.num_tokens, r.block_hashes).rec.t_submit
+    recs: dict[str, Any] = {}
+    for i, r in enumerate(reqs):
+        recs[f"{prefix}{i}"] = client.start(f"{prefix}{i}", r.num_tokens, r.block_hashes).rec
+    t_sub = {rid: rec.t_submit for rid, rec in recs.items()}
     answers: dict[str, Any] = {}
     end = time.monotonic() + bound_s
     while len(answers) < len(reqs):
@@ -65,7 +66,10 @@ def ask_all(rig: FaultRig, reqs: list[Any], prefix: str, *, blocking_every: int 
             spent = time.perf_counter() - t0
             rig.budget.record(spent)  # judged at the end of the test
             if res is None:
-                assert t0 < t_sub[rid] + timeout_s, "told to ask again after the deadline"
+                # The deadline runs from when the lookup was sent; one still queued ends with the lookup ahead.
+                rec = recs[rid]
+                start = rec.t_start if rec.t_start is not None else rec.t_submit
+                assert t0 < start + timeout_s, "told to ask again after the deadline"
                 continue
             rig.check(rid, r.num_tokens, r.block_hashes, res, t_sub[rid])
             answers[rid] = res

@@ -78,8 +78,8 @@ def assert_still_serving(served: tuple[ServerProcess, PrefixIndex], sock: zmq.So
     # Hypothesis mines literals from the code, so a fuzzed b"reset" may well have wiped the store: legal.
     index.store_prefixes([hashes])
     reply = exchange(sock, protocol.encode_lookup(424242, 4 * BLOCK + 1, hashes))
-    decoded = protocol.decode_reply(reply[0])
-    assert (decoded.request_id, decoded.status, decoded.hit_length) == (424242, protocol.OK, 4 * BLOCK)
+    (result,) = protocol.decode_reply(reply[0]).results
+    assert (result.lookup_id, result.status, result.hit_length) == (424242, protocol.OK, 4 * BLOCK)
 
 
 # -- the server ---------------------------------------------------------------------------------------------
@@ -88,8 +88,12 @@ good_header = st.builds(lambda rid: _enc.encode(protocol.Header(protocol.VERSION
                         st.integers(1, 2**63))
 wrong_version = st.builds(lambda v, rid: _enc.encode(protocol.Header(v, rid, protocol.OP_LOOKUP)),
                           st.integers(-2**31, 2**31).filter(lambda v: v != protocol.VERSION), st.integers(1, 2**63))
-valid_body = st.builds(lambda n, hs: _enc.encode(protocol.LookupBody(n, hs)),
-                       st.integers(0, 2**32 - 1), st.lists(st.binary(min_size=1, max_size=64), max_size=20))
+valid_body = st.builds(
+    lambda queries: protocol.encode_lookups(1, [protocol.query(i + 1, n, hs) for i, (n, hs) in enumerate(queries)])[1],
+    st.lists(st.tuples(st.integers(0, 2**32 - 1),
+                       st.integers(1, 64).flatmap(lambda size: st.lists(st.binary(min_size=size, max_size=size),
+                                                                        max_size=20))),
+             min_size=1, max_size=4))
 
 
 @FUZZ
@@ -108,7 +112,7 @@ def test_truncated_bodies_are_bad_requests_naming_the_id(served, dealer, header:
     truncated = body[: max(0, len(body) - cut)]
     rid = msgspec.msgpack.decode(header)[1]
     reply = protocol.decode_reply(exchange(dealer, [header, truncated])[0])
-    assert reply.status == protocol.BAD_REQUEST and reply.request_id == rid and reply.reason
+    assert reply.status == protocol.BAD_REQUEST and reply.frame_id == rid and reply.reason
 
 
 @FUZZ
@@ -145,7 +149,7 @@ def test_malformed_vllm_format_requests_get_vllms_error_byte(served, dealer, par
 def test_oversized_body_is_refused_and_the_server_survives_every_fuzzed_input(served, dealer) -> None:
     header = _enc.encode(protocol.Header(protocol.VERSION, 9, protocol.OP_LOOKUP))
     reply = protocol.decode_reply(exchange(dealer, [header, b"\x00" * (protocol.MAX_BODY_BYTES + 1)])[0])
-    assert reply.status == protocol.BAD_REQUEST and reply.request_id == 9
+    assert reply.status == protocol.BAD_REQUEST and reply.frame_id == 9
     assert_still_serving(served, dealer)
 
 
@@ -157,10 +161,14 @@ def test_pipelined_reply_decoder_raises_only_protocol_errors(payload: bytes) -> 
         reply = protocol.decode_reply(payload)
     except protocol.ProtocolError:
         return
-    answer = protocol.answer_of(reply)
-    assert isinstance(answer, Answer)
-    if reply.status not in (protocol.OK, protocol.MISS):
+    if reply.status != protocol.OK:
+        answer = protocol.frame_error(reply)
         assert answer.outcome == Outcome.ERROR and answer.result.hit_length == 0
+    for result in reply.results:
+        answer = protocol.answer_of(result)
+        assert isinstance(answer, Answer)
+        if result.status == protocol.ERROR:
+            assert answer.outcome == Outcome.ERROR and answer.result.hit_length == 0
 
 
 @settings(max_examples=500, deadline=None)
@@ -174,7 +182,8 @@ def test_vllm_reply_decoder_never_raises(payload: bytes) -> None:
 
 garbage_reply = st.one_of(
     st.binary(max_size=64),
-    st.builds(lambda v, s: _enc.encode([v, 0, s, 10**6, [], ""]), st.integers(-5, 5), st.text(max_size=8)),
+    st.builds(lambda v, s: _enc.encode([v, 0, s, "", [[1, s, 10**6, [], ""]]]), st.integers(-5, 5),
+              st.text(max_size=8)),
     st.builds(lambda x: _enc.encode(x),
               st.lists(st.one_of(st.integers(-2**63, 2**64 - 1), st.text(), st.none()), max_size=8)),
 )
@@ -238,10 +247,10 @@ def test_live_client_survives_malformed_replies(garbage: GarbageServer, transpor
             # Our protocol is versioned and id-tagged: garbage is an error or a timeout, never a hit.
             assert rec.outcome in (Outcome.ERROR, Outcome.TIMEOUT) and result.hit_length == 0
         else:
-            # vLLM's format has no integrity: 4 stray bytes decode as a hit. The client still caps it below
-            # the prompt (vLLM #55113) and never crashes; docs/reliability.md notes the limit.
+            # vLLM's format has no integrity: 4 stray bytes decode as a hit. A hit covering the whole prompt
+            # is refused as an error (vLLM #55113), so no such answer reaches the scheduler.
             assert result.hit_length < 4 * BLOCK + 1
-        assert t._thread.is_alive(), "a malformed reply killed the transport thread"
+            assert t._thread.is_alive(), "a malformed reply killed the transport thread"
     finally:
         garbage.replies.clear()
         client.close()

@@ -47,7 +47,10 @@ def test_schema_has_every_lookup_key_typed_and_defaulted_like_the_connector():
     assert LOOKUP_SCHEMA["additionalProperties"] is False
     for key in KEYS:
         prop = LOOKUP_SCHEMA["properties"][key.name]
-        assert prop["type"] == types[key.kind] and prop["default"] == key.default, key.name
+        typed = prop["anyOf"][0] if key.words else prop  # a number or one of its words (``auto``)
+        assert typed["type"] == types[key.kind] and prop["default"] == key.default, key.name
+        if key.words:
+            assert prop["anyOf"][1] == {"type": "string", "enum": list(key.words)}
 
 
 def test_committed_schema_is_the_generated_one():

@@ -61,6 +61,13 @@ def _reply(sock: zmq.Socket, timeout_s: float = 10.0) -> p.Reply:
     return p.decode_reply(frames[0])
 
 
+def _answer(sock: zmq.Socket, timeout_s: float = 10.0) -> p.Result:
+    """The one result of a reply to a one-lookup frame."""
+    reply = _reply(sock, timeout_s)
+    assert reply.status == p.OK and len(reply.results) == 1, reply
+    return reply.results[0]
+
+
 def _fill(filler: PrefixIndex, n: int) -> tuple[list[Any], list[int]]:
     """``n`` requests of 8 own blocks; request i has its first ``i % 9`` blocks stored. Returns (requests, hits)."""
     reqs = shared_prefix_workload(n, prefix_blocks=0, unique_blocks=8, seed=n)
@@ -72,7 +79,7 @@ def test_hundreds_of_concurrent_lookups_are_each_matched_and_coalesced(
         ctx: zmq.Context, filler: PrefixIndex, index: PrefixIndex) -> None:
     reqs, expected = _fill(filler, 240)
     clients = 3
-    with LookupServer(index, workers=2) as server:
+    with LookupServer(index) as server:
         socks = [_dealer(ctx, server.address) for _ in range(clients)]
         # Every client sends all its lookups before reading any reply: hundreds in flight at once.
         for c, sock in enumerate(socks):
@@ -81,10 +88,10 @@ def test_hundreds_of_concurrent_lookups_are_each_matched_and_coalesced(
         got: dict[int, int] = {}
         for c, sock in enumerate(socks):
             for _ in range(c, len(reqs), clients):
-                reply = _reply(sock)
-                assert reply.request_id not in got
-                assert reply.status == (p.OK if reply.hit_length else p.MISS)
-                got[reply.request_id] = reply.hit_length
+                result = _answer(sock)
+                assert result.lookup_id not in got
+                assert result.status == (p.OK if result.hit_length else p.MISS)
+                got[result.lookup_id] = result.hit_length
         stats = server.stats
     assert got == {1000 + i: hit for i, hit in enumerate(expected)}
     assert index.store_calls < len(reqs)  # coalesced: fewer store calls than lookups
@@ -101,7 +108,8 @@ def _bad_frames() -> list[tuple[str, list[bytes], int, str]]:
         ("truncated", [header, good_body[:-7]], 5, "malformed lookup body"),
         ("oversized", [header, b"\x91" * (p.MAX_BODY_BYTES + 1)], 5, "exceeds"),
         ("wrong_version", [msgspec.msgpack.encode([p.VERSION + 1, 5, p.OP_LOOKUP]), good_body], 5, "version"),
-        ("too_many_hashes", [header, msgspec.msgpack.encode([16, [b"h"] * (p.MAX_HASHES + 1)])], 5, "hashes exceed"),
+        ("too_many_hashes", [header, msgspec.msgpack.encode([[1, 16, 1, b"h" * (p.MAX_HASHES + 1)]])], 5,
+         "hashes exceed"),
         ("one_frame", [header], p.UNKNOWN_ID, "2 frames"),
     ]
 
@@ -117,13 +125,13 @@ def test_bad_frames_get_an_error_reply_and_others_keep_being_served(
         for i, r in enumerate(reqs):
             good.send_multipart(p.encode_lookup(i + 1, r.num_tokens, r.block_hashes))
         refusal = _reply(bad)
-        assert (refusal.status, refusal.request_id) == (p.BAD_REQUEST, rid)
+        assert (refusal.status, refusal.frame_id) == (p.BAD_REQUEST, rid)
         assert reason in refusal.reason
-        assert sorted((r.request_id, r.hit_length) for r in (_reply(good) for _ in reqs)) == \
+        assert sorted((r.lookup_id, r.hit_length) for r in (_answer(good) for _ in reqs)) == \
             [(i + 1, hit) for i, hit in enumerate(expected)]
         # The bad client itself is still served afterwards.
         bad.send_multipart(p.encode_lookup(77, reqs[8].num_tokens, reqs[8].block_hashes))
-        assert (_reply(bad).request_id, server.stats.answered_by_status["bad_request"]) == (77, 1)
+        assert (_answer(bad).lookup_id, server.stats.answered_by_status["bad_request"]) == (77, 1)
 
 
 def test_fuzzed_frames_each_get_exactly_one_reply_and_serving_goes_on(
@@ -159,10 +167,10 @@ def test_fuzzed_frames_each_get_exactly_one_reply_and_serving_goes_on(
                 reply = reply[1:]
             assert len(reply) == 1
             if reply[0] != upstream_wire.RESP_ERR:  # frames that happen to start with vLLM's tags
-                assert p.decode_reply(reply[0]).status in p.STATUSES
+                assert p.decode_reply(reply[0]).status in p.FRAME_STATUSES
             assert not sock.poll(0)  # exactly one reply
         sock.send_multipart(valid)
-        assert _reply(sock).hit_length == expected[8]
+        assert _answer(sock).hit_length == expected[8]
         assert sum(server.stats.answered_by_status.values()) == 301
 
 
@@ -224,7 +232,7 @@ def test_reset_waits_for_lookups_before_it_and_holds_those_after_it(
         ctx: zmq.Context, filler: PrefixIndex, index: PrefixIndex) -> None:
     reqs, expected = _fill(filler, 9)
     backend = _DelayedIndex(index, delay_s=0.2)
-    with LookupServer(backend, workers=4) as server:
+    with LookupServer(backend) as server:
         a, b = _dealer(ctx, server.address), _dealer(ctx, server.address)
         a.send_multipart(p.encode_lookup(1, reqs[8].num_tokens, reqs[8].block_hashes))
         # Wait until the first lookup is inside the (slow) store call, then reset and look up again.
@@ -237,9 +245,9 @@ def test_reset_waits_for_lookups_before_it_and_holds_those_after_it(
         before = _reply(a)
         reset = _reply(b)
         after = _reply(b)
-    assert (before.request_id, before.hit_length) == (1, expected[8])  # saw the store before the wipe
-    assert (reset.request_id, reset.status) == (2, p.OK)
-    assert (after.request_id, after.status) == (3, p.MISS)  # saw the store after the wipe
+    assert (before.results[0].lookup_id, before.results[0].hit_length) == (1, expected[8])  # before the wipe
+    assert (reset.frame_id, reset.status) == (2, p.OK)
+    assert (after.results[0].lookup_id, after.results[0].status) == (3, p.MISS)  # saw the store after the wipe
     assert backend.events == ["lookup-start", "lookup-end", "reset-start", "reset-end",
                               "lookup-start", "lookup-end"]
 
@@ -264,8 +272,9 @@ def test_store_errors_are_errors_not_misses(private_master: EmbeddedMaster, ctx:
                 legacy = _recv(upstream, timeout_s=20)
             finally:
                 master.resume()
-            assert (reply.request_id, reply.status) == (8, p.ERROR)
-            assert "batch_is_exist" in reply.reason
+            (result,) = reply.results
+            assert (result.lookup_id, result.status) == (8, p.ERROR)
+            assert "batch_is_exist" in result.reason
             assert legacy == [upstream_wire.RESP_ERR]  # the extension: one byte, vLLM logs a failed lookup
             assert server.stats.store_errors >= 1
             assert server.stats.answered_by_status["error"] == 2
@@ -322,7 +331,7 @@ def test_close_from_another_thread_while_clients_hammer_it(ctx: zmq.Context, fil
     statuses = set()
     while sock.poll(200):
         statuses.add(p.decode_reply(sock.recv()).status)
-    assert statuses <= {p.OK, p.MISS, p.ERROR}  # anything still queued at close got an error reply
+    assert statuses <= {p.OK, p.ERROR}  # anything still queued at close got an error reply
     server.close()  # idempotent
 
 
@@ -345,7 +354,7 @@ def test_observers_see_store_calls_and_answers_and_cannot_break_the_server(
     with LookupServer(index, observers=[rec]) as server:
         sock = _dealer(ctx, server.address)
         sock.send_multipart(p.encode_lookup(1, reqs[5].num_tokens, reqs[5].block_hashes))
-        assert _reply(sock).hit_length == expected[5]
+        assert _answer(sock).hit_length == expected[5]
         sock.send_multipart([b"junk", b""])
         assert _reply(sock).status == p.BAD_REQUEST
     assert ("store_call", (1, True, False)) in rec.calls
@@ -385,8 +394,8 @@ def test_serve_command_with_embedded_master_answers_and_serves_metrics(tmp_path:
         assert address.startswith("tcp://127.0.0.1:")  # TCP on request, loopback by default
         sock = _dealer(ctx, address)
         sock.send_multipart(p.encode_lookup(5, 129, [b"h" * 32] * 8))
-        reply = _reply(sock, timeout_s=20)
-        assert (reply.request_id, reply.status) == (5, p.MISS)
+        result = _answer(sock, timeout_s=20)
+        assert (result.lookup_id, result.status) == (5, p.MISS)
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as resp:
             text = resp.read().decode()
         assert f'{catalogue.SERVER_REQUESTS.name}_total{{status="ok"}} 1.0' in text

@@ -1,12 +1,13 @@
 """PipelinedTransport against real servers: answers matched under load, deadlines, late replies, lazy pirate,
-a server killed and restarted with lookups in flight, store errors, and the LookupClient on top of it."""
+a server killed and restarted with lookups in flight, store errors, and the LookupClient on top of it.
+
+The transport has no thread: the caller drives it (``send``, then ``collect``), as the scheduler does."""
 
 from __future__ import annotations
 
 import os
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -19,7 +20,7 @@ from mooncake_lookout.connector.bench.burst import burst
 from mooncake_lookout.connector.client import LookupClient
 from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.events import LookupRecord, NullObserver, Outcome
-from mooncake_lookout.connector.job import LookupJob
+from mooncake_lookout.connector.job import LookupJob, LookupResult
 from mooncake_lookout.connector.rigs.master import EmbeddedMaster
 from mooncake_lookout.connector.rigs.processes import ChildProcess
 from mooncake_lookout.connector.rigs.workload import shared_prefix_workload
@@ -49,15 +50,18 @@ def _fill(filler: PrefixIndex, n: int, seed: int = 0) -> tuple[list[Any], list[i
 
 
 def _job(num_tokens: int, hashes: Sequence[bytes], timeout_s: float, req_id: str = "r") -> LookupJob:
-    now = time.perf_counter()
-    rec = LookupRecord(req_id, num_tokens, len(hashes), "pipelined", 0, now)
-    return LookupJob(rec, list(hashes), now + timeout_s, NullObserver())
+    rec = LookupRecord(req_id, num_tokens, len(hashes), "pipelined", 0, time.perf_counter())
+    return LookupJob(rec, list(hashes), timeout_s, NullObserver())
 
 
-def _wait_all(jobs: Sequence[LookupJob], bound_s: float = 10.0) -> None:
+def _wait_all(transport: PipelinedTransport, jobs: Sequence[LookupJob], bound_s: float = 10.0) -> None:
+    """Drive the transport until every job is finished (each is bounded by its own deadline)."""
     deadline = time.perf_counter() + bound_s
     for job in jobs:
-        assert job.done.wait(max(0.0, deadline - time.perf_counter())), "a job was never finished"
+        while job.answer is None:
+            left = deadline - time.perf_counter()
+            assert left > 0, "a job was never finished"
+            transport.collect(min(left, 0.05), until=job)
 
 
 def _poll(cond: Callable[[], bool], bound_s: float = 10.0) -> None:
@@ -85,15 +89,35 @@ def test_hundreds_in_flight_each_answer_matched(filler: PrefixIndex, index: Pref
         transport = PipelinedTransport(server.address, timeout_s=10.0)
         try:
             jobs = [_job(r.num_tokens, r.block_hashes, 10.0, r.req_id) for r in reqs]
-            for job in jobs:
-                transport.submit(job)
-            _wait_all(jobs)
+            for i in range(0, len(jobs), 50):  # eight scheduler steps of 50 lookups, all in flight together
+                transport.send(jobs[i:i + 50])
+            _wait_all(transport, jobs)
         finally:
             transport.close()
     assert [j.answer.result.hit_length for j in jobs] == expected  # type: ignore[union-attr]
     assert {j.answer.outcome for j in jobs} == {Outcome.HIT, Outcome.MISS}  # type: ignore[union-attr]
-    assert index.store_calls < len(reqs)
+    assert index.store_calls <= 8  # one store call per frame at most: a frame's lookups are answered together
     assert transport.late_replies == 0
+
+
+def test_one_send_carries_a_steps_lookups_in_one_frame(silent_router: tuple[zmq.Socket, str]) -> None:
+    router, address = silent_router
+    transport = PipelinedTransport(address, timeout_s=5.0)
+    try:
+        jobs = [_job(64, [bytes([i]) * 32] * 4, 5.0) for i in range(64)]
+        transport.send(jobs)
+        assert router.poll(5000)
+        identity, header, body = router.recv_multipart()
+        assert not router.poll(200), "a step's lookups left in more than one frame"
+        req = p.decode_request([header, body])
+        assert isinstance(req, p.Lookups) and [q.lookup_id for q in req.queries] == [j.lookup_id for j in jobs]
+        # One reply frame answers them all, in any order; one drain finishes every job.
+        router.send_multipart([identity, p.encode_reply(req.frame_id, [
+            p.result_of(q.lookup_id, LookupResult(16)) for q in reversed(req.queries)])])
+        _wait_all(transport, jobs[:1])
+        assert all(j.answer is not None and j.answer.result.hit_length == 16 for j in jobs)
+    finally:
+        transport.close()
 
 
 def test_late_and_unknown_replies_are_dropped_and_counted(filler: PrefixIndex, index: PrefixIndex,
@@ -118,11 +142,10 @@ def test_late_and_unknown_replies_are_dropped_and_counted(filler: PrefixIndex, i
         transport = PipelinedTransport(server.address, timeout_s=5.0, on_late_reply=lambda: late.append(1))
         try:
             jobs = [_job(r.num_tokens, r.block_hashes, 0.05) for r in reqs]
-            for job in jobs:
-                transport.submit(job)
-            _wait_all(jobs)
+            transport.send(jobs)
+            _wait_all(transport, jobs)
             assert {j.answer.outcome for j in jobs} == {Outcome.TIMEOUT}  # type: ignore[union-attr]
-            _poll(lambda: transport.late_replies == len(reqs))
+            _poll(lambda: transport.collect() or transport.late_replies == len(reqs))
             assert len(late) == len(reqs)
         finally:
             transport.close()
@@ -132,13 +155,13 @@ def test_late_and_unknown_replies_are_dropped_and_counted(filler: PrefixIndex, i
     transport = PipelinedTransport(address, timeout_s=5.0)
     try:
         job = _job(reqs[0].num_tokens, reqs[0].block_hashes, 0.5)
-        transport.submit(job)
+        transport.send([job])
         assert router.poll(5000)
         identity, *_ = router.recv_multipart()
-        router.send_multipart([identity, p.encode_status(987654, p.OK)])
+        router.send_multipart([identity, p.encode_reply(987654, [p.result_of(987655, LookupResult(16))])])
         router.send_multipart([identity, b"\xc1 not msgpack"])
-        _poll(lambda: transport.late_replies == 2)
-        _wait_all([job])
+        _poll(lambda: transport.collect() or transport.late_replies == 2)
+        _wait_all(transport, [job])
         assert job.answer.outcome is Outcome.TIMEOUT  # type: ignore[union-attr]
     finally:
         transport.close()
@@ -152,25 +175,24 @@ def test_silent_server_rebuilds_the_socket_and_a_new_server_is_reached(
     transport = PipelinedTransport(address, timeout_s=0.1, on_rebuild=lambda: rebuilt.append(1))
     try:
         jobs = [_job(r.num_tokens, r.block_hashes, 0.1) for r in reqs]
-        for job in jobs:
-            transport.submit(job)
-        _wait_all(jobs)
+        transport.send(jobs)
+        _wait_all(transport, jobs)
         assert {j.answer.outcome for j in jobs} == {Outcome.TIMEOUT}  # type: ignore[union-attr]
         # The server stays silent: lookups keep timing out until the transport rebuilds its socket. (On a
         # loaded machine the first batch may be sent too late in its window to count as silence.)
         deadline = time.perf_counter() + 10
         while transport.rebuilds < 1 and time.perf_counter() < deadline:
             probe = _job(reqs[0].num_tokens, reqs[0].block_hashes, 0.1)
-            transport.submit(probe)
-            _wait_all([probe])
+            transport.send([probe])
+            _wait_all(transport, [probe])
             assert probe.answer.outcome is Outcome.TIMEOUT  # type: ignore[union-attr]
         assert transport.rebuilds >= 1 and rebuilt
         router.close(linger=0)
         os.unlink(address.removeprefix("ipc://"))
         with LookupServer(index, address):
             job = _job(reqs[8].num_tokens, reqs[8].block_hashes, 5.0)
-            transport.submit(job)
-            _wait_all([job])
+            transport.send([job])
+            _wait_all(transport, [job])
             assert job.answer.result.hit_length == expected[8]  # type: ignore[union-attr]
     finally:
         transport.close()
@@ -202,18 +224,16 @@ def test_server_killed_and_restarted_with_lookups_in_flight(private_master: Embe
         master.pause()  # the server's store calls hang: the lookups are surely in flight when it dies
         try:
             first = [_job(r.num_tokens, r.block_hashes, 0.5) for r in reqs]
-            for job in first:
-                transport.submit(job)
+            transport.send(first)
             server.kill()  # SIGKILL with lookups in flight
         finally:
             master.resume()
-        _wait_all(first)  # every one ends by its deadline, none hangs
+        _wait_all(transport, first)  # every one ends by its deadline, none hangs
         assert {j.answer.outcome for j in first} == {Outcome.TIMEOUT}  # type: ignore[union-attr]
         server = _start_serve(master, address, namespace)
         second = [_job(r.num_tokens, r.block_hashes, 5.0) for r in reqs]
-        for job in second:
-            transport.submit(job)
-        _wait_all(second)
+        transport.send(second)
+        _wait_all(transport, second)
         assert [j.answer.result.hit_length for j in second] == expected  # type: ignore[union-attr]
         assert {j.answer.outcome for j in second} <= {Outcome.HIT, Outcome.MISS}  # type: ignore[union-attr]
     finally:
@@ -239,8 +259,8 @@ def test_store_error_is_an_error_with_its_reason(private_master: EmbeddedMaster)
                 master.pause()
                 try:
                     job = _job(req.num_tokens, req.block_hashes, 10.0)
-                    transport.submit(job)
-                    _wait_all([job], 15)
+                    transport.send([job])
+                    _wait_all(transport, [job], 15)
                 finally:
                     master.resume()
             finally:
@@ -253,18 +273,14 @@ def test_store_error_is_an_error_with_its_reason(private_master: EmbeddedMaster)
 
 def test_close_fails_what_is_left_and_refuses_more(silent_router: tuple[zmq.Socket, str]) -> None:
     _, address = silent_router
-    transport = PipelinedTransport(address, timeout_s=30.0, max_inflight=2)
+    transport = PipelinedTransport(address, timeout_s=30.0)
     jobs = [_job(64, [b"h" * 32], 30.0) for _ in range(3)]
-    for job in jobs:
-        transport.submit(job)
-    _poll(lambda: jobs[2].answer is not None)
-    assert jobs[2].answer.outcome is Outcome.REJECTED  # type: ignore[union-attr]  # over max_inflight
+    transport.send(jobs)
     transport.close()
-    _wait_all(jobs[:2], 1.0)
-    assert {j.answer.error for j in jobs[:2]} == {"transport closed"}  # type: ignore[union-attr]
+    assert {j.answer.error for j in jobs} == {"transport closed"}  # type: ignore[union-attr]
     assert not transport.reset(1.0)
     with pytest.raises(TransportClosed):
-        transport.submit(_job(64, [b"h" * 32], 1.0))
+        transport.send([_job(64, [b"h" * 32], 1.0)])
     transport.close()  # idempotent
 
 
@@ -299,18 +315,13 @@ def test_transport_reset_is_fenced_behind_earlier_lookups(filler: PrefixIndex, i
         transport = PipelinedTransport(server.address, timeout_s=5.0)
         try:
             before = [_job(r.num_tokens, r.block_hashes, 5.0) for r in reqs]
-            for job in before:
-                transport.submit(job)
-            results: list[bool] = []
-            resetter = threading.Thread(target=lambda: results.append(transport.reset(5.0)))
-            resetter.start()
-            resetter.join(10)
-            assert results == [True]
-            _wait_all(before)
+            transport.send(before)
+            assert transport.reset(5.0)  # waits on the caller's thread, collecting the lookups' answers too
+            _wait_all(transport, before)
             assert [j.answer.result.hit_length for j in before] == expected  # type: ignore[union-attr]
             after = _job(reqs[8].num_tokens, reqs[8].block_hashes, 5.0)
-            transport.submit(after)
-            _wait_all([after])
+            transport.send([after])
+            _wait_all(transport, [after])
             assert after.answer.outcome is Outcome.MISS  # type: ignore[union-attr]
         finally:
             transport.close()

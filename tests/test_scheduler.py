@@ -246,6 +246,9 @@ def test_the_wait_budget_is_per_step_not_per_call(private_index, private_master,
     private_master.pause()
     for i in range(8):
         s.driver.add(s.driver.make_request(f"b{i}", s.prompt(i, 64)))
+    # Admission runs on the scheduler's thread too, so its cost is scheduler time: one timed call each.
+    assert len(s.timer.calls) == 8
+    s.timer.calls.clear()
     s.driver.step()
     private_master.resume()
     spent = sum(sec for _, sec in s.timer.calls)

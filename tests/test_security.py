@@ -148,10 +148,10 @@ def _ask(address: str, frames: list[bytes], req_envelope: bool = False) -> list[
 
 def test_hash_count_and_size_limits_are_enforced(served: ServerProcess) -> None:
     header = _enc.encode(protocol.Header(protocol.VERSION, 5, protocol.OP_LOOKUP))
-    too_many = _enc.encode(protocol.LookupBody(10, [b"h"] * (protocol.MAX_HASHES + 1)))
+    too_many = _enc.encode([protocol.Query(1, 10, 1, b"h" * (protocol.MAX_HASHES + 1))])
     reply = protocol.decode_reply(_ask(served.address, [header, too_many])[0])
     assert reply.status == protocol.BAD_REQUEST and str(protocol.MAX_HASHES) in reply.reason
-    too_long = _enc.encode(protocol.LookupBody(10, [b"h" * (protocol.MAX_HASH_BYTES + 1)]))
+    too_long = _enc.encode([protocol.Query(1, 10, protocol.MAX_HASH_BYTES + 1, b"h" * (protocol.MAX_HASH_BYTES + 1))])
     reply = protocol.decode_reply(_ask(served.address, [header, too_long])[0])
     assert reply.status == protocol.BAD_REQUEST
     # vLLM's format: the same hash-count limit, answered with its error byte.
@@ -173,8 +173,8 @@ def test_a_message_over_the_hard_limit_is_dropped_and_the_server_goes_on(served:
         ctx.term()
     assert served.running
     hashes = unique_hashes(2, seed=3)
-    reply = protocol.decode_reply(_ask(served.address, protocol.encode_lookup(7, 33, hashes))[0])
-    assert reply.request_id == 7 and reply.status in (protocol.OK, protocol.MISS)
+    (result,) = protocol.decode_reply(_ask(served.address, protocol.encode_lookup(7, 33, hashes))[0]).results
+    assert result.lookup_id == 7 and result.status in (protocol.OK, protocol.MISS)
 
 
 def test_no_raw_request_id_in_metric_labels(served: ServerProcess) -> None:

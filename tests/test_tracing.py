@@ -75,8 +75,8 @@ def test_lookup_span_parents_rpc_span_across_threads(spans) -> None:  # type: ig
     observer, exporter = spans
     obs = ObserverSet([observer])
     req_id = "cmpl-7d1e-private-request-id"
-    observer.set_parent_headers(req_id, {"traceparent": TRACEPARENT})
-    rec = LookupRecord(req_id, 96, 6, "pipelined", 0, time.perf_counter())
+    rec = LookupRecord(req_id, 96, 6, "pipelined", 0, time.perf_counter(),
+                       trace_headers={"traceparent": TRACEPARENT})
     obs.submitted(rec)
 
     def transport() -> None:
@@ -111,21 +111,42 @@ def test_lookup_span_parents_rpc_span_across_threads(spans) -> None:  # type: ig
         assert req_id not in _all_text(span)
 
 
-def test_headers_are_used_once_and_bounded(spans) -> None:  # type: ignore[no-untyped-def]
+def test_trace_context_rides_on_the_record_and_no_state_is_shared_between_threads(
+        spans, prefix_index, make_workload, caplog) -> None:  # type: ignore[no-untyped-def]
+    """The scheduler's thread starts lookups with their requests' trace headers while the telemetry thread
+    builds spans, far past the 4,096 requests an earlier design kept headers for: nothing is shared (the
+    headers ride on each lookup's own record), nothing raises, every span has its own request's parent."""
+    from mooncake_lookout.connector.client import LookupClient
+    from mooncake_lookout.connector.config import LookupConfig
+    from mooncake_lookout.connector.events import BackgroundObserver
+    from mooncake_lookout.connector.server import LookupServer
+    from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
+
     observer, exporter = spans
-    observer.set_parent_headers("r1", {"traceparent": TRACEPARENT})
-    for i in range(tracing.MAX_PARENT_HEADERS):  # requests whose lookup never comes push r1 out
-        observer.set_parent_headers(f"never-{i}", {"traceparent": TRACEPARENT})
-    observer.set_parent_headers("r2", {"traceparent": TRACEPARENT})
-    for req_id in ("r1", "r2", "r2"):  # the second lookup of r2 (a re-query) starts its own trace
-        rec = LookupRecord(req_id, 16, 1, "upstream", 0, time.perf_counter())
-        observer.submitted(rec)
-        rec.outcome = Outcome.MISS
-        observer.consumed(rec)
-    evicted, first, second = exporter.get_finished_spans()
-    assert evicted.parent is None
-    assert format(first.context.trace_id, "032x") == PARENT_TRACE
-    assert second.parent is None and format(second.context.trace_id, "032x") != PARENT_TRACE
+    background = BackgroundObserver(observer, interval_s=0.001)
+    requests = make_workload(6000, prefix_blocks=1, unique_blocks=1)
+    parents = {r.req_id: f"{i + 1:032x}" for i, r in enumerate(requests)}
+    config = LookupConfig(lookup_async=True, lookup_transport="pipelined", lookup_timeout_ms=5000,
+                          lookup_max_pending=10_000)
+    with LookupServer(prefix_index) as server:
+        client = LookupClient(config, PipelinedTransport(server.address, timeout_s=5.0), observer=background)
+        try:
+            for req in requests:  # admissions with trace context, most of them never asked for
+                client.start(req.req_id, req.num_tokens, req.block_hashes, admission=True,
+                             trace_headers={"traceparent": f"00-{parents[req.req_id]}-{PARENT_SPAN}-01"})
+            for req in requests[::10]:
+                assert client.lookup(req.req_id, req.num_tokens, req.block_hashes) is not None
+            for req in requests:
+                client.discard(req.req_id)
+        finally:
+            client.close()
+    assert background.flush(30)
+    background.close()
+    assert not [r for r in caplog.records if "failed" in r.getMessage()]
+    lookups = _by_name(exporter.get_finished_spans(), SPAN_LOOKUP)
+    assert len(lookups) == len(requests)
+    by_hash = {hash_request_id(r): p for r, p in parents.items()}
+    assert all(format(s.context.trace_id, "032x") == by_hash[s.attributes[ATTR_REQUEST_ID]] for s in lookups)
 
 
 def test_timeout_and_discard_end_the_span(spans) -> None:  # type: ignore[no-untyped-def]
@@ -247,8 +268,9 @@ def test_spans_reach_an_otlp_http_receiver(clean_otel_env: pytest.MonkeyPatch) -
         assert observer is not None
         obs = ObserverSet([observer])
         req_ids = [f"cmpl-secret-{i}" for i in range(3)]
-        observer.set_parent_headers(req_ids[0], {"traceparent": TRACEPARENT})
-        recs = [LookupRecord(r, 64, 4, "pipelined", 0, time.perf_counter()) for r in req_ids]
+        recs = [LookupRecord(r, 64, 4, "pipelined", 0, time.perf_counter(),
+                             trace_headers={"traceparent": TRACEPARENT} if i == 0 else None)
+                for i, r in enumerate(req_ids)]
         for rec in recs:
             obs.submitted(rec)
 
@@ -290,7 +312,7 @@ def test_spans_reach_an_otlp_http_receiver(clean_otel_env: pytest.MonkeyPatch) -
 
 
 def test_real_client_and_server_spans(spans, prefix_index, make_workload) -> None:  # type: ignore[no-untyped-def]
-    """The real LookupClient, pipelined transport thread and LookupServer over a real Mooncake store."""
+    """The real LookupClient, pipelined transport and LookupServer over a real Mooncake store."""
     from mooncake_lookout.connector.client import LookupClient
     from mooncake_lookout.connector.config import LookupConfig
     from mooncake_lookout.connector.server import LookupServer
@@ -305,8 +327,8 @@ def test_real_client_and_server_spans(spans, prefix_index, make_workload) -> Non
                               observer=observer)
         try:
             for req in requests:
-                observer.set_parent_headers(req.req_id, {"traceparent": TRACEPARENT})
-                result = client.lookup(req.req_id, req.num_tokens, req.block_hashes, non_block=False)
+                result = client.lookup(req.req_id, req.num_tokens, req.block_hashes, non_block=False,
+                                       trace_headers={"traceparent": TRACEPARENT})
                 assert result is not None
             client.discard(requests[-1].req_id)  # already used: no second end, no second span
         finally:

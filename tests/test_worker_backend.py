@@ -1,50 +1,126 @@
-"""The worker side of ``lookup_transport: pipelined``: our server over what vLLM's worker offers.
+"""The worker side of ``lookup_transport: pipelined``: our server over vLLM's own ``MooncakeStoreWorker``.
 
-On a GPU worker, ``LookoutMooncakeStoreConnector`` serves our ``LookupServer`` over upstream's
-``MooncakeStoreWorker.lookup`` (:class:`WorkerBackend`). No GPU here, so the worker is the same stand-in
-vLLM's real ``LookupKeyServer`` is tested with: ``PrefixIndexStoreWorker`` (``lookup``, ``kv_send_thread``,
-``store.remove_all``) over a real Mooncake master.
+On a GPU worker, ``LookoutMooncakeStoreConnector`` serves our ``LookupServer`` over upstream's worker
+(:class:`WorkerBackend`). No GPU here, so the worker is upstream's real class set up for lookups only, the
+way vLLM's own unit tests build it (:func:`lookup_worker`), over a real Mooncake master; keys are written
+by upstream's own save-path key code (:func:`saved_keys`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
+from typing import Any
+
+import pytest
 
 from mooncake_lookout.connector.client import LookupClient
 from mooncake_lookout.connector.config import LookupConfig
+from mooncake_lookout.connector.events import Outcome, OutcomeCounter
+from mooncake_lookout.connector.job import HashBlob
+from mooncake_lookout.connector.rigs.scheduler_driver import make_kv_cache_config, make_vllm_config
 from mooncake_lookout.connector.rigs.vllm_lookup_server import PrefixIndexStoreWorker
 from mooncake_lookout.connector.server import LookupServer
+from mooncake_lookout.connector.server.prefix_index import StoreError
+from mooncake_lookout.connector.server.store import open_store
+from mooncake_lookout.connector.server.vllm_store_worker import lookup_worker, saved_keys
 from mooncake_lookout.connector.server.worker_backend import WorkerBackend, serve_pipelined
 from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
 
 BLOCK = 16
 
 
-def _poll(client: LookupClient, req_id: str, num_tokens: int, hashes: list[bytes]) -> int:
-    end = time.monotonic() + 5
-    while time.monotonic() < end:
-        result = client.lookup(req_id, num_tokens, hashes, non_block=True)
-        if result is not None:
-            return result.hit_length
-        time.sleep(0.001)
-    raise AssertionError("no answer within 5 s")
+class CountingStore:
+    """The real store client, counting ``batch_is_exist`` calls (everything else passes through)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.exist_calls = 0
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        self.exist_calls += 1
+        return self.store.batch_is_exist(keys)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
 
 
-def test_our_server_answers_and_resets_through_the_workers_own_lookup(prefix_index, make_hashes) -> None:
-    worker = PrefixIndexStoreWorker(prefix_index)
-    hashes = make_hashes(6, seed=21)
-    prefix_index.store_prefixes([hashes[:4]])
-    with LookupServer(WorkerBackend(worker), "tcp://127.0.0.1:0") as server:
-        config = LookupConfig(lookup_async=True, lookup_transport="pipelined", lookup_timeout_ms=2000)
-        client = LookupClient(config, PipelinedTransport(server.address, timeout_s=config.timeout_s))
+@pytest.fixture
+def worker(store: Any) -> Iterator[Any]:
+    """vLLM's MooncakeStoreWorker (lookups only) on the session's real store, in a key space of its own."""
+    config = make_vllm_config({"cache_prefix": f"t{time.monotonic_ns()}"})
+    yield lookup_worker(config, make_kv_cache_config(4096), CountingStore(store))
+
+
+def _store(worker: Any, hashes: list[bytes], blocks: int) -> None:
+    keys = saved_keys(worker, blocks * BLOCK, hashes)
+    assert worker.store.upsert_batch(keys, [b"\x01"] * len(keys)) == 0
+
+
+def test_one_store_call_answers_a_batch_exactly_as_upstreams_own_lookup(worker: Any, make_hashes) -> None:
+    prompts = [make_hashes(8, seed=300 + i) for i in range(12)]
+    for i, hashes in enumerate(prompts):
+        _store(worker, hashes, i % 9)
+    queries = [(8 * BLOCK + 1, HashBlob(b"".join(h), 32)) for h in prompts]
+    expected = [worker.lookup(n, list(h)) for n, h in queries]  # upstream's own answer, one call each
+    assert {e.hit_length for e in expected} >= {0, 4 * BLOCK, 8 * BLOCK}
+    before = worker.store.exist_calls
+    got = WorkerBackend(worker).lookup_many(queries)
+    assert worker.store.exist_calls - before == 1  # the whole batch in one batch_is_exist
+    assert [(g.hit_length, g.tail_key_boundaries) for g in got] == \
+        [(e.hit_length, e.tail_key_boundaries) for e in expected]
+
+
+def test_our_server_coalesces_clients_lookups_over_the_workers_keys(worker: Any, make_hashes) -> None:
+    prompts = [make_hashes(6, seed=400 + i) for i in range(40)]
+    for i, hashes in enumerate(prompts):
+        _store(worker, hashes, i % 7)
+    backend = WorkerBackend(worker)
+    counter = OutcomeCounter()
+    with LookupServer(backend, "tcp://127.0.0.1:0") as server:
+        config = LookupConfig(lookup_async=True, lookup_transport="pipelined", lookup_timeout_ms=5000)
+        client = LookupClient(config, PipelinedTransport(server.address, timeout_s=config.timeout_s),
+                              observer=counter)
         try:
-            assert _poll(client, "a", 6 * BLOCK + 1, hashes) == 4 * BLOCK
-            assert worker.lookups == 1  # answered by the worker's lookup, not around it
-            assert client.reset()
-            assert _poll(client, "a", 6 * BLOCK + 1, hashes) == 0  # the wipe reached the store
+            before = worker.store.exist_calls
+            for i, hashes in enumerate(prompts):  # one step's admissions
+                client.start(f"r{i}", 6 * BLOCK + 1, hashes, admission=True)
+            hits = {}
+            end = time.monotonic() + 10
+            while len(hits) < len(prompts) and time.monotonic() < end:
+                for i, hashes in enumerate(prompts):
+                    result = client.lookup(f"r{i}", 6 * BLOCK + 1, hashes, non_block=True)
+                    if result is not None:
+                        hits[i] = result.hit_length
+                client.end_step()
+                time.sleep(0.001)
+            assert hits == {i: (i % 7) * BLOCK for i in range(len(prompts))}
+            assert worker.store.exist_calls - before == 1  # 40 lookups sent in one frame: one store call
+            assert client.reset()  # upstream's reset path: drain puts, remove_all
+            client.discard("r3")
+            assert client.lookup("r3", 6 * BLOCK + 1, prompts[3]).hit_length == 0  # the wipe reached the store
         finally:
             client.close()
+
+
+def test_a_store_error_is_an_error_not_a_miss(private_master: Any, make_hashes) -> None:
+    """Upstream's lookup turns a failed ``batch_is_exist`` into a miss; through our backend it stays an error."""
+    store = open_store(private_master.rpc_address, rpc_timeout_ms=300)
+    try:
+        worker = lookup_worker(make_vllm_config({}), make_kv_cache_config(1024), store)
+        hashes = make_hashes(4, seed=500)
+        private_master.pause()
+        try:
+            assert worker.lookup(4 * BLOCK + 1, hashes).hit_length == 0  # upstream: looks like a miss
+            (answer,) = WorkerBackend(worker).lookup_many([(4 * BLOCK + 1, hashes)])
+        finally:
+            private_master.resume()
+        assert isinstance(answer, StoreError)
+        # Upstream's own operation record (its store metrics) still sees the failed call.
+        assert any(op["status"] == "error" for op in worker.kv_connector_stats.data.get("lookup_exists", []))
+    finally:
+        store.close()
 
 
 def test_pipelined_server_starts_only_on_the_rank_that_serves_lookups(prefix_index, lookup_vllm_config,
@@ -60,3 +136,18 @@ def test_pipelined_server_starts_only_on_the_rank_that_serves_lookups(prefix_ind
         assert server is not None and server.address == config.lookup_server_address
     finally:
         server.close()
+
+
+def test_outcomes_are_counted_through_the_worker_path(worker: Any, make_hashes) -> None:
+    hashes = make_hashes(5, seed=600)
+    _store(worker, hashes, 5)
+    counter = OutcomeCounter()
+    with LookupServer(WorkerBackend(worker), "tcp://127.0.0.1:0") as server:
+        config = LookupConfig(lookup_transport="pipelined", lookup_timeout_ms=5000)
+        client = LookupClient(config, PipelinedTransport(server.address, timeout_s=5.0), observer=counter)
+        try:
+            assert client.lookup("hit", 5 * BLOCK + 1, hashes).hit_length == 5 * BLOCK
+            assert client.lookup("miss", 5 * BLOCK + 1, make_hashes(5, seed=601)).hit_length == 0
+        finally:
+            client.close()
+    assert counter.outcomes[Outcome.HIT] == 1 and counter.outcomes[Outcome.MISS] == 1

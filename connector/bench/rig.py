@@ -86,11 +86,9 @@ class Rig:
     ``rpc_timeout_ms`` bounds one store call of the servers' client (Mooncake's ``MC_RPC_TIMEOUT_MS``);
     """
 
-    def __init__(self, *, namespace: str = "bench", rpc_timeout_ms: int | None = 30_000,
-                 server_workers: int = 2) -> None:
+    def __init__(self, *, namespace: str = "bench", rpc_timeout_ms: int | None = 30_000) -> None:
         self.namespace = namespace
         self.rpc_timeout_ms = rpc_timeout_ms
-        self._server_workers = server_workers
         self._stack = ExitStack()
         self.master: Any = None
         self.index: Any = None
@@ -119,7 +117,7 @@ class Rig:
         self.rpc_base_path = stack.enter_context(private_rpc_base_path())
         self.servers = stack.enter_context(ServerProcess(
             (UPSTREAM, PIPELINED), self.master.rpc_address, namespace=self.namespace, block_size=BLOCK_SIZE,
-            rpc_port=self.lookup_rpc_port, rpc_base_path=self.rpc_base_path, workers=self._server_workers,
+            rpc_port=self.lookup_rpc_port, rpc_base_path=self.rpc_base_path,
             store_rpc_timeout_ms=self.rpc_timeout_ms, start_timeout_s=120.0, standby=False))
         store = open_writer_store(self.master.rpc_address)
         stack.callback(store.close)

@@ -34,7 +34,6 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     where.add_argument("--address", metavar="ENDPOINT",
                        help="ipc://PATH or tcp://HOST:PORT to listen on (default: a private IPC directory)")
     where.add_argument("--tcp-port", type=int, metavar="PORT", help="listen on tcp://127.0.0.1:PORT (0: any free port)")
-    p.add_argument("--workers", type=int, default=2, help="store calls that may run at once (default 2)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per block hash (default 16)")
     p.add_argument("--namespace", default="lookout", help="key namespace in the store (default lookout)")
     p.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus /metrics on this port")
@@ -90,7 +89,7 @@ def run_serve(args: argparse.Namespace) -> int:
             return 2
         stack.callback(store.close)
         backend = PrefixIndex(store, args.block_size, args.namespace)
-        server = stack.enter_context(LookupServer(backend, _listen_address(args), workers=args.workers,
+        server = stack.enter_context(LookupServer(backend, _listen_address(args),
                                                   observers=_server_observers(args, stack)))
         print(f"listening on {server.address}", flush=True)
         stop.wait()

@@ -19,14 +19,16 @@ from mooncake_lookout.connector.job import LookupResult
 class InjectedDelayBackend:
     """INJECTED FAULT: a lookup backend that sleeps ``delay_s`` before each real store call.
 
-    Wraps a real backend (a :class:`PrefixIndex`); everything else (``reset``, ``remove_all``, ...) passes
-    through. ``enabled`` switches the delay at run time (the child process flips it on SIGUSR1/SIGUSR2).
+    Wraps a real backend (a :class:`PrefixIndex`); everything else passes through. ``enabled`` switches
+    the delay at run time (the child process flips it on SIGUSR1/SIGUSR2). ``reset_delay_s`` injects a
+    slow wipe (``reset`` and ``remove_all``).
     """
 
-    def __init__(self, backend: Any, delay_s: float, enabled: bool = True) -> None:
+    def __init__(self, backend: Any, delay_s: float, enabled: bool = True, reset_delay_s: float = 0.0) -> None:
         self.backend = backend
         self.delay_s = delay_s
         self.enabled = enabled
+        self.reset_delay_s = reset_delay_s  # a slow wipe (upstream's server first drains in-flight puts)
         self.delayed_calls = 0
 
     def _delay(self) -> None:
@@ -45,8 +47,18 @@ class InjectedDelayBackend:
         return self.backend.lookup_many(queries)
 
     def reset(self) -> Any:
-        """Wipe the real store (no delay: a reset is not a lookup)."""
+        """Wipe the real store (our server's path), after the injected reset delay (if any)."""
+        self._reset_delay()
         return self.backend.reset()
+
+    def remove_all(self, force: bool = True) -> Any:
+        """Wipe the real store (vLLM's server's path: ``store.remove_all``), after the injected reset delay."""
+        self._reset_delay()
+        return self.backend.remove_all(force)
+
+    def _reset_delay(self) -> None:
+        if self.reset_delay_s > 0:
+            time.sleep(self.reset_delay_s)  # the injected fault itself: a wipe that takes this long
 
     def __getattr__(self, name: str) -> Any:  # remove_all, key, namespace, ... of the real backend
         return getattr(self.backend, name)

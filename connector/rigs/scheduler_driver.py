@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 BLOCK_SIZE = 16
+# What stands in for the model's forward pass after each step. Never zero by default: a real step waits on
+# the GPU with the GIL released, and a driver that never releases it leaves every other thread of the
+# process (the in-process lookup servers of tests, say) a turn only once per 5 ms switch interval.
+MODEL_STEP_S = 0.0005
 TINY_OPT = {
     "architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 64, "ffn_dim": 128,
     "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 50272, "max_position_embeddings": 2048,
@@ -93,7 +97,7 @@ class StepStats:
 class SchedulerDriver:
     """vLLM's real ``Scheduler`` with a KV connector, stepped by hand."""
 
-    def __init__(self, vllm_config: Any, *, num_blocks: int = 4096, model_step_s: float = 0.0) -> None:
+    def __init__(self, vllm_config: Any, *, num_blocks: int = 4096, model_step_s: float = MODEL_STEP_S) -> None:
         _offline_env()
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -182,5 +186,5 @@ class SchedulerDriver:
         self.scheduler.shutdown()
 
 
-__all__ = ["BLOCK_SIZE", "SchedulerDriver", "StepStats", "make_kv_cache_config", "make_vllm_config",
+__all__ = ["BLOCK_SIZE", "MODEL_STEP_S", "SchedulerDriver", "StepStats", "make_kv_cache_config", "make_vllm_config",
            "tiny_model_dir"]

@@ -58,9 +58,9 @@ class ServerProcess:
     ``address`` (pipelined only): ``ipc://PATH`` or ``tcp://127.0.0.1:PORT`` (port 0 picks one, kept across
     restarts); default an IPC socket in a private 0700 folder made here. ``rpc_port`` / ``rpc_base_path``
     (upstream only): vLLM's ``lookup_rpc_port`` and ``VLLM_RPC_BASE_PATH``. ``delay_ms`` is the injected
-    store delay, active from the start if ``delay_on``. ``store_rpc_timeout_ms`` bounds one store call in
-    the child when the master stalls (None: Mooncake's 30 s). ``start_timeout_s`` bounds the wait for the
-    ready line (an upstream child imports vLLM: 10-15 s).
+    store delay, active from the start if ``delay_on``; ``reset_delay_ms``, one before each wipe.
+    ``store_rpc_timeout_ms`` bounds one store call in the child when the master stalls (None: Mooncake's
+    30 s). ``start_timeout_s`` bounds the wait for the ready line (an upstream child imports vLLM: 10-15 s).
 
     ``standby``: keep the next child already spawned and imported, waiting for a word on stdin, so a
     restart costs a bind (~0.1 s) instead of an interpreter and a vLLM import. What a restart measures
@@ -73,8 +73,9 @@ class ServerProcess:
 
     def __init__(self, transports: str | Sequence[str], master: str, *, namespace: str, address: str | None = None,
                  rpc_port: int = 0, rpc_base_path: str | None = None, block_size: int = 16,
-                 delay_ms: float = 0.0, delay_on: bool = False, store_rpc_timeout_ms: int | None = 1000,
-                 workers: int = 2, start_timeout_s: float = 90.0, standby: bool = True) -> None:
+                 delay_ms: float = 0.0, delay_on: bool = False, reset_delay_ms: float = 0.0,
+                 store_rpc_timeout_ms: int | None = 1000, start_timeout_s: float = 90.0,
+                 standby: bool = True) -> None:
         self.transports = (transports,) if isinstance(transports, str) else tuple(transports)
         unknown = [t for t in self.transports if t not in TRANSPORTS]
         if unknown or not self.transports:
@@ -87,8 +88,8 @@ class ServerProcess:
         self.block_size = block_size
         self.delay_ms = delay_ms
         self.delay_on = delay_on
+        self.reset_delay_ms = reset_delay_ms
         self.store_rpc_timeout_ms = store_rpc_timeout_ms
-        self.workers = workers
         self.start_timeout_s = start_timeout_s
         self.use_standby = standby
         self.starts = 0
@@ -130,7 +131,8 @@ class ServerProcess:
 
     def _argv(self, standby: bool) -> list[str]:
         argv = [sys.executable, "-m", CHILD_MODULE, "--master", self.master, "--namespace", self.namespace,
-                "--block-size", str(self.block_size), "--delay-ms", str(self.delay_ms), "--workers", str(self.workers)]
+                "--block-size", str(self.block_size), "--delay-ms", str(self.delay_ms),
+                "--reset-delay-ms", str(self.reset_delay_ms)]
         for transport in self.transports:
             argv += ["--serve", transport]
         if self.store_rpc_timeout_ms is not None:
@@ -251,7 +253,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--delay-ms", type=float, default=0.0, help="INJECTED store delay, in milliseconds")
     p.add_argument("--delay-on", action="store_true", help="inject the delay from the start")
     p.add_argument("--store-rpc-timeout-ms", type=int, default=None)
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--reset-delay-ms", type=float, default=0.0, help="INJECTED delay before each wipe")
     p.add_argument("--wait-go", action="store_true",
                    help="standby: import everything, print 'ready', then wait for a line on stdin before serving")
     return p.parse_args(argv)
@@ -267,7 +269,7 @@ def _start_servers(args: argparse.Namespace, backend: Any) -> dict[str, Any]:
 
         servers[UPSTREAM] = UpstreamLookupServer(backend, lookup_vllm_config(args.rpc_port)).start()
     if PIPELINED in args.serve:
-        servers[PIPELINED] = LookupServer(backend, args.address or None, workers=args.workers).start()
+        servers[PIPELINED] = LookupServer(backend, args.address or None).start()
     return servers
 
 
@@ -292,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     store = open_store(args.master, rpc_timeout_ms=args.store_rpc_timeout_ms)
     backend = InjectedDelayBackend(PrefixIndex(store, args.block_size, args.namespace), args.delay_ms / 1000.0,
-                                   enabled=args.delay_on)
+                                   enabled=args.delay_on, reset_delay_s=args.reset_delay_ms / 1000.0)
 
     def switch(on: bool) -> None:
         backend.enabled = on

@@ -377,11 +377,11 @@ class _Tracking:
 
 @dataclass
 class _Round:
-    """One round's requests, by id, with their submit times (a fault may restart some of them)."""
+    """One round's requests, by id, with their lookups' records (a fault may restart some of them)."""
 
     ids: list[str]
     batch: list[WorkloadRequest]
-    submitted: dict[str, float]
+    records: dict[str, LookupRecord]
     inject_s: float = 0.0  # how long injecting the fault stopped the steps (harness time, not the client's)
 
 
@@ -430,7 +430,7 @@ def _soak_round(rig: FaultRig, plan: SoakPlan, work: list[WorkloadRequest], trac
     batch = [work[i] for i in plan.batch(size)]
     ids = [f"r{track.rounds}-{i}" for i in range(len(batch))]
     fault = plan.fault()
-    rnd = _Round(ids, batch, {rid: client.start(rid, req.num_tokens, req.block_hashes).rec.t_submit
+    rnd = _Round(ids, batch, {rid: client.start(rid, req.num_tokens, req.block_hashes).rec
                               for rid, req in zip(ids, batch)})
     cleanup: Callable[[], None] | None = None
     if fault is not None:
@@ -478,14 +478,18 @@ def _ask(rig: FaultRig, plan: SoakPlan, rid: str, req: WorkloadRequest, rnd: _Ro
         track.blocking_calls.append(t1 - t0)
     if t1 - t0 > timeout_s + 0.005:
         rig.violations.slow_calls.append(t1 - t0)
-    deadline = rnd.submitted[rid] + timeout_s
+    # The deadline runs from when the lookup was sent (time queued in the client is not the server's). One
+    # still queued waits for the lookups ahead of it, as long as the server answers them: the client ends
+    # it as soon as the one in flight misses its deadline (tests/test_faults_*.py hold that bound).
+    rec = rnd.records[rid]
+    deadline = (rec.t_start if rec.t_start is not None else rec.t_submit) + timeout_s
     if result is None:
-        if t0 > deadline:  # the scheduler was told "ask again" after the deadline
+        if rec.t_start is not None and t0 > deadline:  # told "ask again" after a sent lookup's deadline
             rig.violations.late_answers.append(t0 - deadline)
         return False
     if rnd.inject_s < 0.005:  # steps did not stop for the harness: the figure is the client's
         track.max_late = max(track.max_late, t1 - deadline)
-    rig.check(rid, req.num_tokens, req.block_hashes, result, rnd.submitted[rid])
+    rig.check(rid, req.num_tokens, req.block_hashes, result, rec.t_submit)
     rig.client.discard(rid)
     track.done += 1
     return True
@@ -536,9 +540,9 @@ def _inject(fault: str, rig: FaultRig, plan: SoakPlan, rnd: _Round,
             work: list[WorkloadRequest]) -> Callable[[], None] | None:
     """Start ``fault`` while the round's lookups are in flight; returns what clears it (or None).
 
-    Lookups the fault restarts (a reset drops them, a reused id replaces them) get their new submit time.
+    Lookups the fault restarts (a reset drops them, a reused id replaces them) get their new records.
     """
-    client, ids, batch, submitted = rig.client, rnd.ids, rnd.batch, rnd.submitted
+    client, ids, batch, records = rig.client, rnd.ids, rnd.batch, rnd.records
     if fault == "server_pause":
         rig.server.pause()
         return rig.server.resume
@@ -557,7 +561,7 @@ def _inject(fault: str, rig: FaultRig, plan: SoakPlan, rnd: _Round,
     if fault == "reset":
         rig.wipe()
         for rid, req in zip(ids, batch):  # the scheduler asks again: fresh lookups of the new generation
-            submitted[rid] = client.start(rid, req.num_tokens, req.block_hashes).rec.t_submit
+            records[rid] = client.start(rid, req.num_tokens, req.block_hashes).rec
         return None
     if fault == "abort_storm":  # every request of the round aborted at once, answered or not
         for rid in ids:
@@ -568,7 +572,7 @@ def _inject(fault: str, rig: FaultRig, plan: SoakPlan, rnd: _Round,
             other = work[plan.replacement()]
             client.discard(rid)
             batch[i] = other
-            submitted[rid] = client.start(rid, other.num_tokens, other.block_hashes).rec.t_submit
+            records[rid] = client.start(rid, other.num_tokens, other.block_hashes).rec
         return None
     raise ValueError(f"unknown fault {fault!r}")
 

@@ -2,7 +2,7 @@
 
 vLLM's store worker (:class:`~mooncake_lookout.connector.server.worker_backend.WorkerBackend`) and our
 :class:`~mooncake_lookout.connector.server.prefix_index.PrefixIndex` both fit. The server calls a
-backend on its pool threads, so a backend must be safe to call from several threads at once.
+backend from its one loop thread, one call at a time.
 """
 
 from __future__ import annotations

@@ -1,17 +1,20 @@
 """What the lookup server reports about itself: observer hooks and the counters it always keeps.
 
-Every hook runs on the server's IO thread; the server logs and skips an observer that raises, so
+Every hook runs on the server's loop thread; the server logs and skips an observer that raises, so
 telemetry cannot stop serving. The Prometheus side lives in :mod:`mooncake_lookout.metrics.server_sink`.
 """
 
 from __future__ import annotations
 
 import collections
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from mooncake_lookout.connector.events import FanOut
 
 
 class ServerObserver:
-    """Hooks for the server's telemetry, all called on the IO thread; override what you need.
+    """Hooks for the server's telemetry, all called on the loop's thread; override what you need.
 
     ``status`` values are ``metrics.catalogue.SERVER_STATUSES``: ``ok`` (hits and misses), ``error``
     (the store failed), ``bad_request`` (the frame was refused).
@@ -21,13 +24,13 @@ class ServerObserver:
         """Lookups received and not yet answered."""
 
     def inflight(self, calls: int) -> None:
-        """Store calls running right now."""
+        """Store calls running right now (0 or 1: the loop makes one at a time)."""
 
     def store_call(self, batch_size: int, seconds: float, failed: bool) -> None:
         """One store call ended (``failed``: it raised or returned an error for some lookup)."""
 
     def answered(self, status: str) -> None:
-        """One request was answered."""
+        """One lookup (or reset, or refused frame) was answered."""
 
 
 @dataclass
@@ -58,4 +61,11 @@ class ServerStats(ServerObserver):
         self.answered_by_status[status] += 1
 
 
-__all__ = ["ServerObserver", "ServerStats"]
+class ServerObserverSet(FanOut, ServerObserver):
+    """Fans the server's events out to several :class:`ServerObserver` s (see :class:`FanOut`)."""
+
+    def __init__(self, observers: Sequence[ServerObserver] = ()) -> None:
+        super().__init__(observers, base=ServerObserver)
+
+
+__all__ = ["ServerObserver", "ServerObserverSet", "ServerStats"]

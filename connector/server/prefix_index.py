@@ -26,7 +26,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from mooncake_lookout.connector.job import MISS, LookupResult
+from mooncake_lookout.connector.job import MISS, HashBlob, LookupResult
 
 DEFAULT_NAMESPACE = "lookout"
 NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_:-]{1,64}$")  # no regex metacharacters: used in remove_by_regex
@@ -73,6 +73,13 @@ class PrefixIndex:
         """The store key of one block hash."""
         return f"{self.namespace}/{block_hash.hex()}"
 
+    def keys(self, block_hashes: Sequence[bytes], count: int) -> list[str]:
+        """The store keys of the first ``count`` hashes (one ``hex`` for a :class:`HashBlob`)."""
+        if isinstance(block_hashes, HashBlob):
+            prefix = self.namespace + "/"
+            return [prefix + digits for digits in block_hashes.hex(count)]
+        return [self.key(h) for h in block_hashes[:count]]
+
     def countable_blocks(self, num_tokens: int, num_hashes: int) -> int:
         """How many leading blocks can count toward a hit: never the whole prompt (one token is computed)."""
         if num_tokens <= 0:
@@ -114,7 +121,7 @@ class PrefixIndex:
         n = self.countable_blocks(num_tokens, len(block_hashes))
         if n == 0:
             return MISS
-        keys = [self.key(h) for h in block_hashes[:n]]
+        keys = self.keys(block_hashes, n)
         codes = self._exists(keys)
         return self._hit(keys, dict(zip(keys, codes)))
 
@@ -128,7 +135,7 @@ class PrefixIndex:
         unique: dict[str, None] = {}
         for num_tokens, hashes in requests:
             n = self.countable_blocks(num_tokens, len(hashes))
-            keys = [self.key(h) for h in hashes[:n]]
+            keys = self.keys(hashes, n)
             per_request.append(keys)
             unique.update(dict.fromkeys(keys))
         codes: dict[str, int] = {}

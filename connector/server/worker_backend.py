@@ -2,28 +2,74 @@
 
 With ``lookup_transport: pipelined`` the worker that runs upstream's ``LookupKeyServer`` (rank 0) also
 runs our :class:`~mooncake_lookout.connector.server.loop.LookupServer`, answering from the same
-``MooncakeStoreWorker``, so its keys and layout are upstream's.
+``MooncakeStoreWorker``, so its keys and layout are upstream's, and a whole batch of lookups costs one
+``batch_is_exist``.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from mooncake_lookout.connector.config import LookupConfig
+from mooncake_lookout.connector.job import MISS, HashBlob
+from mooncake_lookout.connector.server.prefix_index import StoreError
 
 logger = logging.getLogger(__name__)
 
 
 class WorkerBackend:
-    """Our lookup server's backend on a GPU worker: upstream's own ``MooncakeStoreWorker.lookup``."""
+    """Our lookup server's backend on a GPU worker: upstream's own ``MooncakeStoreWorker`` key code.
+
+    :meth:`lookup_many` answers a whole batch with ONE ``batch_is_exist``: upstream's ``lookup`` runs twice
+    per query against a stand-in store, first to learn which keys it asks (the stand-in answers "absent"),
+    then to compute the hit from the codes of one real call over the union of those keys. The key layout,
+    rank namespaces, partial-hash and tail-boundary logic stay upstream's. A negative code (Mooncake's
+    store error) is reported as that query's :class:`StoreError`, where upstream would count a miss.
+    """
 
     def __init__(self, worker: Any) -> None:
         self.worker = worker
 
     def lookup(self, num_tokens: int, block_hashes: Any) -> Any:
-        """Upstream's lookup (its result has the fields of :class:`LookupResult`)."""
-        return self.worker.lookup(num_tokens, block_hashes)
+        """One lookup, through :meth:`lookup_many` (so store errors are errors here too)."""
+        result = self.lookup_many([(num_tokens, block_hashes)])[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def lookup_many(self, queries: Any) -> list[Any]:
+        """Each query's upstream result, or the :class:`StoreError` it met; one store call in all."""
+        worker = self.worker
+        lookup = type(worker).lookup
+        asked: list[list[str]] = []
+        for num_tokens, hashes in queries:
+            recorder = _KeyRecorder()
+            lookup(_WorkerView(worker, recorder), num_tokens, _vllm_hashes(hashes))
+            asked.append(recorder.keys)
+        union = list(dict.fromkeys(k for keys in asked for k in keys))
+        codes: dict[str, int] = {}
+        if union:
+            t0 = time.perf_counter()
+            try:
+                answer = list(worker.store.batch_is_exist(union))
+                if len(answer) != len(union):
+                    raise StoreError(None, "batch_is_exist", f"{len(answer)} answers for {len(union)} keys")
+            except Exception as e:
+                _record(worker, t0, len(union), failed=len(union))
+                err = e if isinstance(e, StoreError) else StoreError(None, "batch_is_exist", repr(e))
+                return [err if keys else MISS for keys in asked]
+            codes = dict(zip(union, answer))
+            _record(worker, t0, len(union), failed=sum(1 for c in answer if c < 0))
+        out: list[Any] = []
+        for (num_tokens, hashes), keys in zip(queries, asked):
+            bad = next((k for k in keys if codes[k] < 0), None)
+            if bad is not None:
+                out.append(StoreError(codes[bad], "batch_is_exist", f"key {bad}"))
+                continue
+            out.append(lookup(_WorkerView(worker, _CodeStore(codes)), num_tokens, _vllm_hashes(hashes)))
+        return out
 
     def reset(self) -> bool:
         """What upstream's server does on reset: drain in-flight puts, then wipe the store."""
@@ -32,6 +78,65 @@ class WorkerBackend:
             send_thread.request_queue.join()
         self.worker.store.remove_all(force=True)
         return True
+
+
+class _KeyRecorder:
+    """A stand-in store that notes the keys asked and answers "absent" (first pass)."""
+
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        self.keys.extend(keys)
+        return [0] * len(keys)
+
+
+class _CodeStore:
+    """A stand-in store answering from the codes of the one real call (second pass)."""
+
+    def __init__(self, codes: dict[str, int]) -> None:
+        self.codes = codes
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        return [self.codes[k] for k in keys]
+
+
+class _WorkerView:
+    """The worker as upstream's ``lookup`` sees it, with a stand-in store and no operation recording.
+
+    Reads every other attribute from the real worker (never writes), so the transfer threads that use the
+    real store are untouched.
+    """
+
+    def __init__(self, worker: Any, store: Any) -> None:
+        self._worker = worker
+        self.store = store
+
+    def _record_kv_connector_operation(self, *args: Any, **kwargs: Any) -> None:
+        """Recorded once for the real call instead (``_record``)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._worker, name)
+
+
+def _vllm_hashes(hashes: Any) -> Any:
+    """Hashes as upstream's lookup takes them: vLLM's ``BlobBlockHashes`` over a concatenated blob."""
+    if isinstance(hashes, HashBlob):
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import BlobBlockHashes
+
+        return BlobBlockHashes(hashes.blob, hashes.hash_len)
+    return hashes
+
+
+def _record(worker: Any, t0: float, keys: int, failed: int) -> None:
+    """Upstream's ``lookup_exists`` operation record (its store metrics), once per real call."""
+    record = getattr(worker, "_record_kv_connector_operation", None)
+    if record is None:
+        return
+    if failed:
+        record("lookup_exists", time.perf_counter() - t0, keys, status="error", num_failed_keys=failed)
+    else:
+        record("lookup_exists", time.perf_counter() - t0, keys)
 
 
 def serve_pipelined(vllm_config: Any, config: LookupConfig, worker: Any) -> Any:

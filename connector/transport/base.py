@@ -1,13 +1,15 @@
-"""The contract between the lookup client and a wire: submit jobs, answer each by its deadline.
+"""The contract between the lookup client and a wire: send jobs, collect their answers, bound every wait.
 
-Transports own their sockets on their own thread(s). ``submit`` is called on the caller's thread and
-must never block; every other socket operation happens on the transport's thread.
+Every call comes from the client's (the scheduler's) thread. ``send`` never blocks. ``collect`` finishes
+the jobs whose answers have arrived and may wait, up to a bound the caller gives, for one job's answer.
+A sent job that is still unanswered at its deadline finishes as ``Outcome.TIMEOUT``. Whether a transport
+owns a thread is its own business (``pipelined`` does not: the caller's thread drives its socket).
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from mooncake_lookout.connector.job import LookupJob
 
@@ -17,15 +19,41 @@ class TransportClosed(RuntimeError):
 
 
 class Transport(abc.ABC):
-    """Carries lookup jobs to a lookup server and finishes each one by its deadline."""
+    """Carries lookup jobs to a lookup server and finishes each one, by its deadline at the latest."""
 
     name: str = "abstract"
-    # Called on the transport's thread for each reply that came after its lookup ended (the client sets it).
+    # Called for each reply that came after its lookup ended, or for none (the client sets it).
     on_late_reply: Callable[[], None] | None = None
+    late_replies: int = 0
+    rebuilds: int = 0
 
     @abc.abstractmethod
-    def submit(self, job: LookupJob) -> None:
-        """Queue ``job``; never blocks. The transport calls ``job.start()`` then ``job.finish(answer)``."""
+    def send(self, jobs: Sequence[LookupJob], *, urgent: bool = False) -> None:
+        """Put ``jobs`` on their way; never blocks. ``urgent``: a caller is about to wait for them.
+
+        A job that cannot be sent finishes at once with an error; raises :class:`TransportClosed` after close.
+        """
+
+    @abc.abstractmethod
+    def collect(self, wait_s: float = 0.0, until: LookupJob | None = None) -> None:
+        """Finish the jobs whose answers have come and those past their deadline.
+
+        With ``until`` given, wait up to ``wait_s`` seconds for its answer (never past its deadline).
+        """
+
+    @property
+    def awaiting(self) -> int:
+        """Lookups handed to this transport and not yet answered (queued in it, or in flight)."""
+        return 0
+
+    def overdue(self, now: float) -> bool:
+        """True when a lookup the server was asked has outlived its deadline (lookups queued behind it then
+        end at once instead of waiting their turn). A transport with no queue of its own never is."""
+        return False
+
+    def forget(self, job: LookupJob) -> None:
+        """Nobody wants ``job``'s answer any more: an unsent job is never sent, a reply for it counts as late."""
+        job.cancelled = True
 
     @abc.abstractmethod
     def reset(self, timeout_s: float) -> bool:
@@ -33,7 +61,17 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Stop the transport's thread(s) and close its sockets; jobs still queued finish as errors."""
+        """Close sockets (and stop any thread); jobs still queued or in flight finish as errors."""
+
+    def _count_late(self) -> None:
+        self.late_replies += 1
+        if self.on_late_reply is not None:
+            try:
+                self.on_late_reply()
+            except Exception:  # telemetry must never break the transport
+                import logging
+
+                logging.getLogger(__name__).exception("on_late_reply callback failed")
 
 
 __all__ = ["Transport", "TransportClosed"]

@@ -1,32 +1,47 @@
 """The ``upstream`` transport: vLLM 0.33's REQ/REP lookup channel, made deadline-bound.
 
-One thread owns the REQ socket and carries one lookup at a time, as vLLM's server expects. Each round
-trip polls with the job's remaining time; on expiry the socket is closed and rebuilt (ZMQ's "lazy
-pirate"), so a stalled or restarted server never wedges the thread. The caller's path only puts the job
-on a ``queue.SimpleQueue``.
+vLLM's ``LookupKeyServer`` answers one lookup at a time, so lookups queue. One thread of ours owns the REQ
+socket and sends the next lookup the moment the previous answer is in: a burst is served at the server's
+pace whatever the scheduler is doing (measured faster than driving the socket from the scheduler's
+thread, which could only advance once per scheduler call). Each round trip polls with the job's own
+deadline, counted from the moment it is sent (waiting in this queue is not the server's fault); on expiry
+the socket is closed and rebuilt (ZMQ's "lazy pirate"), so a stalled or restarted server never wedges the
+thread. ``send`` appends to a deque and notifies the thread; ``urgent`` jobs (a caller is about to block on
+them) jump the queue. Answers are written by the thread; the caller waits on the job's :class:`DoneFlag`.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
-import queue
 import threading
-from collections.abc import Callable
-from concurrent.futures import Future
-from typing import Union
+import time
+from collections.abc import Callable, Sequence
 
 import zmq
 
 from mooncake_lookout.connector.events import Outcome
-from mooncake_lookout.connector.job import Answer, LookupJob
+from mooncake_lookout.connector.job import Answer, DoneFlag, LookupJob
+from mooncake_lookout.connector.logs import RateLimit
 from mooncake_lookout.connector.transport.base import Transport, TransportClosed
-from mooncake_lookout.connector.transport.names import UPSTREAM
 from mooncake_lookout.connector.wire import upstream as wire
 
 logger = logging.getLogger(__name__)
 
+
+class _Reset:
+    """A reset waiting for its turn and its reply."""
+
+    __slots__ = ("timeout_s", "done", "ok")
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.done = threading.Event()
+        self.ok = False
+
+
 _STOP = object()
-_Item = Union[LookupJob, "tuple[Future[bool], float]", object]
+QUEUED_BEHIND_TIMEOUT = "not sent: queued behind a lookup the server did not answer in time"
 
 
 class UpstreamTransport(Transport):
@@ -35,46 +50,100 @@ class UpstreamTransport(Transport):
     ``address`` is a ZMQ endpoint (``ipc://...`` as vLLM derives it, or ``tcp://127.0.0.1:PORT``).
     """
 
-    name = UPSTREAM
+    name = "upstream"
 
     def __init__(self, address: str, *, on_rebuild: Callable[[], None] | None = None) -> None:
         self.address = address
         self.rebuilds = 0
+        self.late_replies = 0
         self._on_rebuild = on_rebuild
-        self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
+        self._queue: collections.deque[object] = collections.deque()
+        self._ready = threading.Condition(threading.Lock())
         self._closed = False
+        self._inflight_deadline: float | None = None  # written by the thread, read by the caller
+        self._log_limit = RateLimit(10.0)
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None
         self._thread = threading.Thread(target=self._loop, name="lookout-upstream", daemon=True)
         self._thread.start()
 
-    def submit(self, job: LookupJob) -> None:
+    # -- caller's thread ------------------------------------------------------------------------------------
+    def send(self, jobs: Sequence[LookupJob], *, urgent: bool = False) -> None:
+        """Queue ``jobs`` for the thread (``urgent``: in front of the others)."""
         if self._closed:
             raise TransportClosed("lookup transport is closed")
-        self._queue.put(job)
+        for job in jobs:
+            job.done = DoneFlag()
+        with self._ready:
+            if urgent:
+                self._queue.extendleft(reversed(jobs))
+            else:
+                self._queue.extend(jobs)
+            self._ready.notify()
+
+    def collect(self, wait_s: float = 0.0, until: LookupJob | None = None) -> None:
+        """Answers are written by the thread; with ``until``, wait up to ``wait_s`` for its answer."""
+        if until is not None and wait_s > 0 and until.answer is None and until.done is not None:
+            if until.deadline is not None:
+                wait_s = min(wait_s, max(0.0, until.deadline - time.perf_counter()))
+            until.done.wait(wait_s)
+
+    @property
+    def awaiting(self) -> int:
+        """Lookups queued for the thread or in flight (read without a lock: a close estimate is enough)."""
+        return len(self._queue) + (self._inflight_deadline is not None)
+
+    def overdue(self, now: float) -> bool:
+        """True once the lookup in flight has outlived its deadline (the server is not answering)."""
+        deadline = self._inflight_deadline
+        return deadline is not None and now >= deadline
 
     def reset(self, timeout_s: float) -> bool:
-        """Queue a reset behind every lookup already submitted (so it is fenced) and wait up to ``timeout_s``."""
+        """Queue a reset behind every lookup already queued (so it is fenced) and wait up to ``timeout_s``."""
         if self._closed:
             return False
-        fut: Future[bool] = Future()
-        self._queue.put((fut, timeout_s))
-        try:
-            return fut.result(timeout=timeout_s)
-        except Exception:  # timed out or failed: not acknowledged
-            return False
+        item = _Reset(timeout_s)
+        with self._ready:
+            self._queue.append(item)
+            self._ready.notify()
+        item.done.wait(timeout_s)
+        return item.ok
 
     def close(self) -> None:
-        """Stop the thread after the round trip it is in (bounded by that job's deadline) and close the socket there."""
+        """Stop the thread after the round trip it is in (bounded by that job's deadline); close the socket there."""
         if self._closed:
             return
         self._closed = True
-        self._queue.put(_STOP)
+        with self._ready:
+            self._queue.append(_STOP)
+            self._ready.notify()
         self._thread.join(timeout=5.0)
         if not self._thread.is_alive():
             self._ctx.term()
 
     # -- transport thread ---------------------------------------------------------------------------------
+    def _next(self) -> object:
+        with self._ready:
+            while not self._queue:
+                self._ready.wait()
+            return self._queue.popleft()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._next()
+            if item is _STOP:
+                break
+            try:
+                if isinstance(item, LookupJob):
+                    self._lookup(item)
+                elif isinstance(item, _Reset):
+                    self._reset(item)
+            except Exception:  # never let one lookup kill the thread
+                logger.exception("lookup transport failed")
+        self._drain()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
             sock = self._ctx.socket(zmq.REQ)
@@ -84,6 +153,9 @@ class UpstreamTransport(Transport):
         return self._sock
 
     def _rebuild(self) -> None:
+        if self._log_limit.allow(time.perf_counter()):
+            logger.warning("lookup server at %s did not answer in time: rebuilding the socket (%d rebuilds so far)",
+                           self.address, self.rebuilds + 1)
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -104,65 +176,55 @@ class UpstreamTransport(Transport):
         self._rebuild()
         return None
 
-    def _loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is _STOP:
-                break
-            try:
-                if isinstance(item, LookupJob):
-                    self._lookup(item)
-                else:
-                    self._reset(*item)  # type: ignore[misc]
-            except Exception:  # never let one lookup kill the thread
-                logger.exception("lookup transport failed")
-        self._drain()
-        if self._sock is not None:
-            self._sock.close(linger=0)
-
     def _lookup(self, job: LookupJob) -> None:
-        if job.cancelled:
-            return
-        job.start()
-        remaining = job.remaining()
-        if remaining <= 0:
-            job.finish(Answer(Outcome.TIMEOUT, error="deadline passed while queued"))
+        if job.cancelled or job.answer is not None:
             return
         try:
             frames = wire.encode_lookup(job.num_tokens, job.block_hashes)
         except wire.WireError as e:
             job.finish(Answer(Outcome.ERROR, error=str(e)))
             return
+        job.sent()
+        self._inflight_deadline = job.deadline
         try:
-            reply = self._round_trip(frames, remaining)
+            reply = self._round_trip(frames, (job.deadline or 0.0) - time.perf_counter())
         except zmq.ZMQError as e:
             job.finish(Answer(Outcome.ERROR, error=f"zmq: {e}"))
             return
+        finally:
+            self._inflight_deadline = None
         if reply is None:
             job.finish(Answer(Outcome.TIMEOUT, error="no reply before the deadline"))
+            self._fail_queued()
+        elif job.cancelled:
+            self._count_late()
         else:
             job.finish(wire.decode_lookup_reply(reply))
 
-    def _reset(self, fut: Future, timeout_s: float) -> None:
-        if not fut.set_running_or_notify_cancel():
-            return
+    def _fail_queued(self) -> None:
+        """The server left a lookup unanswered: the lookups queued behind it end now (they were never sent,
+        so this is not held against the server a second time), instead of each waiting a deadline in turn."""
+        with self._ready:
+            queued = [item for item in self._queue if isinstance(item, LookupJob)]
+            self._queue = collections.deque(item for item in self._queue if not isinstance(item, LookupJob))
+        for job in queued:
+            job.finish(Answer(Outcome.TIMEOUT, error=QUEUED_BEHIND_TIMEOUT, local=True))
+
+    def _reset(self, item: _Reset) -> None:
         try:
-            reply = self._round_trip([wire.RESET_MSG], timeout_s)
-            fut.set_result(reply == wire.RESP_OK)
-        except Exception as e:
-            fut.set_exception(e)
+            reply = self._round_trip([wire.RESET_MSG], item.timeout_s)
+            item.ok = reply == wire.RESP_OK
+        finally:
+            item.done.set()
 
     def _drain(self) -> None:
         """Finish whatever is still queued at close as errors, so no caller waits on it."""
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return
+        while self._queue:
+            item = self._queue.popleft()
             if isinstance(item, LookupJob):
                 item.finish(Answer(Outcome.ERROR, error="transport closed"))
-            elif isinstance(item, tuple):
-                item[0].cancel()
+            elif isinstance(item, _Reset):
+                item.done.set()
 
 
 __all__ = ["UpstreamTransport"]

@@ -1,30 +1,27 @@
-"""The ``pipelined`` lookup protocol: versioned, id-tagged msgspec frames over DEALER/ROUTER.
+"""The ``pipelined`` lookup protocol: versioned msgspec frames over DEALER/ROUTER, many lookups per frame.
 
-Why it exists: vLLM's lookup channel (REQ/REP) carries one lookup at a time. Tagging each request with an
-id lets a client keep many lookups in flight and match replies in any order; a version field lets both
-ends refuse what they do not understand instead of misreading it. ``docs/protocol.md`` is the user-level
-description; this module is the single definition both ends import.
+Why it exists: vLLM's lookup channel (REQ/REP) carries one lookup at a time, and every lookup that
+crosses a thread or a socket on its own pays a wake-up. Here one frame carries every lookup the
+scheduler asked for in one step, the server answers all of them with one store call, and one reply
+frame brings every answer back: a step pays one send and one receive, however many lookups it holds.
+A version field lets both ends refuse what they do not understand instead of misreading it.
+``docs/protocol.md`` is the user-level description; this module is the single definition both ends import.
 
 Request, two ZMQ frames (a DEALER sends them as they are; a ROUTER sees its peer identity in front):
 
-* ``header``: msgpack array ``[version, request_id, op]`` (:class:`Header`), at most
-  :data:`MAX_HEADER_BYTES` bytes. ``op`` is ``"lookup"`` or ``"reset"``.
-* ``body``: for ``lookup`` a msgpack array ``[num_tokens, [hash, ...]]`` (:class:`LookupBody`), at most
-  :data:`MAX_BODY_BYTES` bytes and :data:`MAX_HASHES` hashes of at most :data:`MAX_HASH_BYTES` bytes each;
-  for ``reset`` an empty frame.
+* ``header``: msgpack array ``[version, frame_id, op]`` (:class:`Header`), at most :data:`MAX_HEADER_BYTES`;
+  ``op`` is ``"lookup"`` or ``"reset"``.
+* ``body``: for ``lookup`` a msgpack array of queries ``[lookup_id, num_tokens, hash_len, hashes]``
+  (:class:`Query`), where ``hashes`` is the block hashes concatenated (``hash_len`` bytes each, as in vLLM's
+  own wire format: one ``bytes`` is cheap to encode, a list of 4,096 is not); at most :data:`MAX_QUERIES`
+  queries, :data:`MAX_HASHES` hashes each, :data:`MAX_BODY_BYTES` in all. For ``reset`` an empty frame.
 
-Keeping the header apart from the body means the server can name the request in its error reply even
-when the body is truncated, oversized or garbage.
-
-Reply, one frame: msgpack array ``[version, request_id, status, hit_length, [[group_id, num_tokens], ...],
-reason]`` (:class:`Reply`). ``status`` is one of :data:`STATUSES`:
-
-* ``ok``: the lookup ran and found ``hit_length`` tokens (``> 0``), or a reset succeeded;
-* ``miss``: the lookup ran and found nothing;
-* ``error``: the store failed (``reason`` says how); the answer is unknown, not a miss;
-* ``bad_request``: the frame was refused (malformed, truncated, wrong version, over a limit).
-
-A request whose header cannot be read at all is answered with ``request_id`` :data:`UNKNOWN_ID`.
+Reply, one frame per request frame: ``[version, frame_id, status, reason, results]`` (:class:`Reply`), with
+one ``[lookup_id, status, hit_length, [[group_id, num_tokens], ...], reason]`` (:class:`Result`) per query.
+Frame ``status``: ``ok``, ``error`` (the server could not answer: every query failed) or ``bad_request``
+(the frame was refused). Query ``status``: ``ok`` (``hit_length`` > 0), ``miss`` or ``error`` (the store
+failed: the answer is unknown, not a miss). A frame whose header cannot be read is answered with
+``frame_id`` :data:`UNKNOWN_ID`.
 """
 
 from __future__ import annotations
@@ -34,15 +31,17 @@ from collections.abc import Sequence
 import msgspec
 
 from mooncake_lookout.connector.events import Outcome
-from mooncake_lookout.connector.job import Answer, LookupResult, TailKeyBoundary
+from mooncake_lookout.connector.job import Answer, HashBlob, LookupResult, TailKeyBoundary
 
-VERSION = 1
+VERSION = 2
 UNKNOWN_ID = 0
 MAX_HEADER_BYTES = 256
+MAX_QUERIES = 4096  # lookups in one frame; the client starts a new frame past it
 MAX_HASHES = 65_536  # 1M tokens at block size 16
 MAX_HASH_BYTES = 256
-# 65,536 hashes of 32 bytes plus msgpack overhead fit with room to spare.
-MAX_BODY_BYTES = 4 * 1024 * 1024
+# A frame holds at most this much; the client starts a new frame before it (so a step's lookups may
+# travel in a few frames), the server refuses a larger one.
+MAX_BODY_BYTES = 16 * 1024 * 1024
 MAX_U32 = 0xFFFFFFFF
 MAX_ID = 2**64 - 1
 
@@ -54,79 +53,116 @@ OK = "ok"
 MISS = "miss"
 ERROR = "error"
 BAD_REQUEST = "bad_request"
-STATUSES = (OK, MISS, ERROR, BAD_REQUEST)
+FRAME_STATUSES = (OK, ERROR, BAD_REQUEST)
+RESULT_STATUSES = (OK, MISS, ERROR)
 
 
 class ProtocolError(ValueError):
-    """A frame that breaks the protocol; ``request_id`` names the request when the header was readable."""
+    """A frame that breaks the protocol; ``frame_id`` names the frame when its header was readable."""
 
-    def __init__(self, reason: str, request_id: int = UNKNOWN_ID) -> None:
+    def __init__(self, reason: str, frame_id: int = UNKNOWN_ID) -> None:
         super().__init__(reason)
         self.reason = reason
-        self.request_id = request_id
+        self.frame_id = frame_id
 
 
 class Header(msgspec.Struct, array_like=True, frozen=True):
-    """Frame 1 of a request: who asks (``request_id``), what (``op``) and in which protocol ``version``."""
+    """Frame 1 of a request: which frame (``frame_id``), what (``op``), in which protocol ``version``."""
 
     version: int
-    request_id: int
+    frame_id: int
     op: str
 
 
-class LookupBody(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
-    """Frame 2 of a lookup: the prompt length and its block hashes, oldest first."""
+class Query(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    """One lookup in a request body: its id, the prompt length and its block hashes, concatenated."""
 
+    lookup_id: int
     num_tokens: int
-    hashes: list[bytes]
+    hash_len: int
+    hashes: bytes
+
+    @property
+    def block_hashes(self) -> HashBlob:
+        """The block hashes, oldest first, as a sequence over the concatenated bytes (no copy)."""
+        return HashBlob(self.hashes, self.hash_len)
 
 
-class Reply(msgspec.Struct, array_like=True, frozen=True):
-    """The one-frame answer to a request; ``tails`` are (group_id, num_tokens) boundaries of the hit."""
+class Result(msgspec.Struct, array_like=True, frozen=True):
+    """The answer to one query; ``tails`` are (group_id, num_tokens) boundaries of the hit."""
 
-    version: int
-    request_id: int
+    lookup_id: int
     status: str
     hit_length: int = 0
     tails: list[tuple[int, int]] = []
     reason: str = ""
 
 
-class Lookup(msgspec.Struct, frozen=True):
-    """A lookup request, validated."""
+class Reply(msgspec.Struct, array_like=True, frozen=True):
+    """The one-frame answer to a request frame."""
 
-    request_id: int
-    num_tokens: int
-    hashes: list[bytes]
+    version: int
+    frame_id: int
+    status: str
+    reason: str = ""
+    results: list[Result] = []
 
 
 class Reset(msgspec.Struct, frozen=True):
     """A reset request, validated."""
 
-    request_id: int
+    frame_id: int
 
 
-_MISS_ANSWER = Answer(Outcome.MISS)
+class Lookups(msgspec.Struct, frozen=True):
+    """A lookup request frame, validated."""
+
+    frame_id: int
+    queries: list[Query]
+
+
 _ENCODER = msgspec.msgpack.Encoder()
 _HEADER = msgspec.msgpack.Decoder(Header)
-_BODY = msgspec.msgpack.Decoder(LookupBody)
+_BODY = msgspec.msgpack.Decoder(list[Query])
 _REPLY = msgspec.msgpack.Decoder(Reply)
+_MISS_ANSWER = Answer(Outcome.MISS)
 
 
 # -- client side ---------------------------------------------------------------------------------------------
-def encode_lookup(request_id: int, num_tokens: int, hashes: Sequence[bytes]) -> list[bytes]:
-    """The two frames of a lookup; raises :class:`ProtocolError` if it would break a limit."""
-    body = LookupBody(num_tokens, list(hashes))  # bytes, bytearray or memoryview items all encode as bin
-    check_lookup(request_id, body)
-    frames = [_ENCODER.encode(Header(VERSION, request_id, OP_LOOKUP)), _ENCODER.encode(body)]
-    if len(frames[1]) > MAX_BODY_BYTES:
-        raise ProtocolError(f"lookup body of {len(frames[1])} bytes exceeds {MAX_BODY_BYTES}", request_id)
-    return frames
+def query(lookup_id: int, num_tokens: int, block_hashes: Sequence[bytes]) -> Query:
+    """One lookup as a :class:`Query`; raises :class:`ProtocolError` if it would break a limit.
+
+    The hashes must share one length (vLLM's do: one hash function per engine).
+    """
+    hash_len = len(block_hashes[0]) if block_hashes else 0
+    if block_hashes and not hash_len:
+        raise ProtocolError(f"lookup {lookup_id}: a hash of 0 bytes is outside 1..{MAX_HASH_BYTES}")
+    blob = b"".join(block_hashes)
+    q = Query(lookup_id, num_tokens, hash_len, blob)
+    check_query(q)
+    return q
 
 
-def encode_reset(request_id: int) -> list[bytes]:
+def encode_lookups(frame_id: int, queries: Sequence[Query]) -> list[bytes]:
+    """The two frames of a lookup request carrying ``queries`` (already checked by :func:`query`)."""
+    if not 0 < len(queries) <= MAX_QUERIES:
+        raise ProtocolError(f"a frame carries 1..{MAX_QUERIES} queries, got {len(queries)}", frame_id)
+    return [_ENCODER.encode(Header(VERSION, frame_id, OP_LOOKUP)), _ENCODER.encode(queries)]
+
+
+def encode_lookup(lookup_id: int, num_tokens: int, block_hashes: Sequence[bytes]) -> list[bytes]:
+    """The frames of a request carrying one lookup (its frame id is the lookup id): probes and tools."""
+    return encode_lookups(lookup_id, [query(lookup_id, num_tokens, block_hashes)])
+
+
+def query_bytes(q: Query) -> int:
+    """About how many body bytes ``q`` takes (the client starts a new frame before :data:`MAX_BODY_BYTES`)."""
+    return len(q.hashes) + 32
+
+
+def encode_reset(frame_id: int) -> list[bytes]:
     """The two frames of a reset (the body is empty)."""
-    return [_ENCODER.encode(Header(VERSION, request_id, OP_RESET)), b""]
+    return [_ENCODER.encode(Header(VERSION, frame_id, OP_RESET)), b""]
 
 
 def decode_reply(frame: bytes) -> Reply:
@@ -136,39 +172,53 @@ def decode_reply(frame: bytes) -> Reply:
     except msgspec.MsgspecError as e:
         raise ProtocolError(f"malformed reply: {e}") from None
     if reply.version != VERSION:
-        raise ProtocolError(f"reply version {reply.version}, expected {VERSION}", reply.request_id)
-    if reply.status not in STATUSES:
-        raise ProtocolError(f"unknown reply status {reply.status!r}", reply.request_id)
+        raise ProtocolError(f"reply version {reply.version}, expected {VERSION}", reply.frame_id)
+    if reply.status not in FRAME_STATUSES:
+        raise ProtocolError(f"unknown reply status {reply.status!r}", reply.frame_id)
+    for r in reply.results:
+        if r.status not in RESULT_STATUSES:
+            raise ProtocolError(f"unknown result status {r.status!r} for lookup {r.lookup_id}", reply.frame_id)
     return reply
 
 
-def answer_of(reply: Reply) -> Answer:
-    """A lookup reply as the :class:`Answer` a job finishes with: errors stay errors, never misses."""
-    if reply.status == MISS and not reply.tails:
+def answer_of(result: Result) -> Answer:
+    """One query's result as the :class:`Answer` a lookup ends with: errors stay errors, never misses."""
+    if result.status == MISS and not result.tails:
         return _MISS_ANSWER
-    if reply.status == OK or reply.status == MISS:
-        tails = tuple(TailKeyBoundary(g, n) for g, n in reply.tails)
-        return Answer.from_result(LookupResult(reply.hit_length, tails))
+    if result.status == ERROR:
+        return Answer(Outcome.ERROR, error=result.reason or "store error")
+    tails = tuple(TailKeyBoundary(g, n) for g, n in result.tails)
+    return Answer.from_result(LookupResult(result.hit_length, tails))
+
+
+def frame_error(reply: Reply) -> Answer:
+    """The answer every lookup of a refused or failed frame ends with."""
     return Answer(Outcome.ERROR, error=f"{reply.status}: {reply.reason}")
 
 
 # -- server side ---------------------------------------------------------------------------------------------
-def check_lookup(request_id: int, body: LookupBody) -> None:
-    """Raise :class:`ProtocolError` if a lookup breaks a limit (both ends run the same checks)."""
-    if not 0 <= body.num_tokens <= MAX_U32:
-        raise ProtocolError(f"num_tokens {body.num_tokens} out of range 0..{MAX_U32}", request_id)
-    if len(body.hashes) > MAX_HASHES:
-        raise ProtocolError(f"{len(body.hashes)} hashes exceed the limit of {MAX_HASHES}", request_id)
-    if body.hashes:
-        sizes = list(map(len, body.hashes))
-        shortest, longest = min(sizes), max(sizes)
-        if shortest < 1 or longest > MAX_HASH_BYTES:
-            bad = shortest if shortest < 1 else longest
-            raise ProtocolError(f"a hash of {bad} bytes is outside 1..{MAX_HASH_BYTES}", request_id)
+def check_query(q: Query, frame_id: int = UNKNOWN_ID) -> None:
+    """Raise :class:`ProtocolError` if a query breaks a limit (both ends run the same checks)."""
+    if not 0 <= q.lookup_id <= MAX_ID:
+        raise ProtocolError(f"lookup id {q.lookup_id} out of range", frame_id)
+    if not 0 <= q.num_tokens <= MAX_U32:
+        raise ProtocolError(f"lookup {q.lookup_id}: num_tokens {q.num_tokens} out of range 0..{MAX_U32}", frame_id)
+    if not q.hashes:
+        if not 0 <= q.hash_len <= MAX_HASH_BYTES:
+            raise ProtocolError(f"lookup {q.lookup_id}: hash_len {q.hash_len} outside 0..{MAX_HASH_BYTES}", frame_id)
+        return
+    if not 1 <= q.hash_len <= MAX_HASH_BYTES:
+        raise ProtocolError(f"lookup {q.lookup_id}: hash_len {q.hash_len} outside 1..{MAX_HASH_BYTES}", frame_id)
+    if len(q.hashes) % q.hash_len:
+        raise ProtocolError(f"lookup {q.lookup_id}: {len(q.hashes)} hash bytes are not a multiple of "
+                            f"hash_len {q.hash_len}", frame_id)
+    if len(q.hashes) // q.hash_len > MAX_HASHES:
+        raise ProtocolError(f"lookup {q.lookup_id}: {len(q.hashes) // q.hash_len} hashes exceed the limit of "
+                            f"{MAX_HASHES}", frame_id)
 
 
-def decode_request(frames: Sequence[bytes]) -> Lookup | Reset:
-    """Parse and validate a request's two frames; raises :class:`ProtocolError` naming the id when known."""
+def decode_request(frames: Sequence[bytes]) -> Lookups | Reset:
+    """Parse and validate a request's two frames; raises :class:`ProtocolError` naming the frame when known."""
     if len(frames) != 2:
         raise ProtocolError(f"a request has 2 frames (header, body), got {len(frames)}")
     header_frame, body_frame = frames
@@ -178,42 +228,52 @@ def decode_request(frames: Sequence[bytes]) -> Lookup | Reset:
         header = _HEADER.decode(header_frame)
     except msgspec.MsgspecError as e:
         raise ProtocolError(f"malformed header: {e}") from None
-    rid = header.request_id
-    if not 0 <= rid <= MAX_ID:
-        raise ProtocolError(f"request id {rid} out of range")
+    fid = header.frame_id
+    if not 0 <= fid <= MAX_ID:
+        raise ProtocolError(f"frame id {fid} out of range")
     if header.version != VERSION:
-        raise ProtocolError(f"unsupported protocol version {header.version}, this server speaks {VERSION}", rid)
+        raise ProtocolError(f"unsupported protocol version {header.version}, this server speaks {VERSION}", fid)
     if header.op == OP_RESET:
         if len(body_frame):
-            raise ProtocolError("reset takes an empty body", rid)
-        return Reset(rid)
+            raise ProtocolError("reset takes an empty body", fid)
+        return Reset(fid)
     if header.op != OP_LOOKUP:
-        raise ProtocolError(f"unknown op {header.op!r}; known: {', '.join(OPS)}", rid)
+        raise ProtocolError(f"unknown op {header.op!r}; known: {', '.join(OPS)}", fid)
     if len(body_frame) > MAX_BODY_BYTES:
-        raise ProtocolError(f"lookup body of {len(body_frame)} bytes exceeds {MAX_BODY_BYTES}", rid)
+        raise ProtocolError(f"lookup body of {len(body_frame)} bytes exceeds {MAX_BODY_BYTES}", fid)
     try:
-        body = _BODY.decode(body_frame)
+        queries = _BODY.decode(body_frame)
     except msgspec.MsgspecError as e:
-        raise ProtocolError(f"malformed lookup body: {e}", rid) from None
-    check_lookup(rid, body)
-    return Lookup(rid, body.num_tokens, body.hashes)
+        raise ProtocolError(f"malformed lookup body: {e}", fid) from None
+    if not 0 < len(queries) <= MAX_QUERIES:
+        raise ProtocolError(f"a frame carries 1..{MAX_QUERIES} queries, got {len(queries)}", fid)
+    for q in queries:
+        check_query(q, fid)
+    return Lookups(fid, queries)
 
 
-def encode_result(request_id: int, result: LookupResult) -> bytes:
-    """The reply to a lookup that ran: ``ok`` with the hit, or ``miss``."""
-    status = OK if result.hit_length > 0 else MISS
-    tails = [(t.group_id, t.num_tokens) for t in result.tail_key_boundaries]
-    return _ENCODER.encode(Reply(VERSION, request_id, status, result.hit_length, tails))
+def result_of(lookup_id: int, outcome: LookupResult | BaseException) -> Result:
+    """The :class:`Result` of one query: its hit (``ok``), ``miss``, or the store ``error`` it met."""
+    if isinstance(outcome, BaseException):
+        return Result(lookup_id, ERROR, reason=f"{type(outcome).__name__}: {outcome}")
+    tails = [(t.group_id, t.num_tokens) for t in outcome.tail_key_boundaries]
+    return Result(lookup_id, OK if outcome.hit_length > 0 else MISS, outcome.hit_length, tails)
 
 
-def encode_status(request_id: int, status: str, reason: str = "") -> bytes:
-    """A reply without a result: a reset's ``ok``, a store ``error`` or a ``bad_request``, with its reason."""
-    return _ENCODER.encode(Reply(VERSION, request_id, status, reason=reason))
+def encode_reply(frame_id: int, results: Sequence[Result]) -> bytes:
+    """The ``ok`` reply to a lookup frame, one result per query."""
+    return _ENCODER.encode(Reply(VERSION, frame_id, OK, "", list(results)))
+
+
+def encode_status(frame_id: int, status: str, reason: str = "") -> bytes:
+    """A reply without results: a reset's ``ok``, a frame-wide ``error`` or a ``bad_request``, with its reason."""
+    return _ENCODER.encode(Reply(VERSION, frame_id, status, reason))
 
 
 __all__ = [
-    "BAD_REQUEST", "ERROR", "Header", "Lookup", "LookupBody", "MAX_BODY_BYTES", "MAX_HASHES", "MAX_HASH_BYTES",
-    "MAX_HEADER_BYTES", "MISS", "OK", "OPS", "OP_LOOKUP", "OP_RESET", "ProtocolError", "Reply", "Reset", "STATUSES",
-    "UNKNOWN_ID", "VERSION", "answer_of", "check_lookup", "decode_reply", "decode_request", "encode_lookup",
-    "encode_reset", "encode_result", "encode_status",
+    "BAD_REQUEST", "ERROR", "FRAME_STATUSES", "Header", "Lookups", "MAX_BODY_BYTES", "MAX_HASHES", "MAX_HASH_BYTES",
+    "MAX_HEADER_BYTES", "MAX_QUERIES", "MISS", "OK", "OPS", "OP_LOOKUP", "OP_RESET", "ProtocolError", "Query",
+    "RESULT_STATUSES", "Reply", "Reset", "Result", "UNKNOWN_ID", "VERSION", "answer_of", "check_query",
+    "decode_reply", "decode_request", "encode_lookup", "encode_lookups", "encode_reply", "encode_reset",
+    "encode_status", "frame_error", "query", "query_bytes", "result_of",
 ]

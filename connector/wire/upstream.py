@@ -14,7 +14,7 @@ import struct
 from collections.abc import Sequence
 
 from mooncake_lookout.connector.events import Outcome
-from mooncake_lookout.connector.job import Answer, LookupResult, TailKeyBoundary
+from mooncake_lookout.connector.job import Answer, HashBlob, LookupResult, TailKeyBoundary
 
 LOOKUP_MSG = b"lookup"
 RESET_MSG = b"reset"
@@ -40,20 +40,18 @@ def encode_lookup(num_tokens: int, block_hashes: Sequence[bytes]) -> list[bytes]
     return [LOOKUP_MSG, _U32.pack(num_tokens), _U16.pack(hash_len), b"".join(block_hashes)]
 
 
-def decode_lookup(frames: Sequence[bytes]) -> tuple[int, list[bytes]]:
+def decode_lookup(frames: Sequence[bytes]) -> tuple[int, HashBlob]:
     """Parse lookup request frames (after the tag) into (num_tokens, hashes); raises :class:`WireError`."""
     if len(frames) != 3 or len(frames[0]) != 4 or len(frames[1]) != 2:
         raise WireError("lookup wants 3 frames: u32 num_tokens, u16 hash_len, hashes")
     num_tokens = _U32.unpack(frames[0])[0]
     hash_len = _U16.unpack(frames[1])[0]
     blob = bytes(frames[2])
-    if hash_len == 0:
-        if blob:
-            raise WireError("hash_len 0 with a non-empty hash frame")
-        return num_tokens, []
-    if len(blob) % hash_len:
+    if hash_len == 0 and blob:
+        raise WireError("hash_len 0 with a non-empty hash frame")
+    if hash_len and len(blob) % hash_len:
         raise WireError(f"hash frame of {len(blob)} bytes is not a multiple of hash_len {hash_len}")
-    return num_tokens, [blob[i:i + hash_len] for i in range(0, len(blob), hash_len)]
+    return num_tokens, HashBlob(blob, hash_len)
 
 
 def encode_lookup_reply(result: LookupResult) -> bytes:

@@ -30,8 +30,12 @@ SCHEMA = CHART / "values.schema.json"
 # Numeric limits of the lookup keys, mirroring each Key's check (a test compares them value by value).
 LOOKUP_LIMITS: dict[str, dict[str, Any]] = {
     "lookup_wait_us": {"minimum": 0, "maximum": 100_000},
+    "lookup_wait_auto_share": {"exclusiveMinimum": 0, "maximum": 0.9},
     "lookup_timeout_ms": {"exclusiveMinimum": 0, "maximum": 60_000},
     "lookup_max_pending": {"minimum": 1, "maximum": 1_000_000},
+    "lookup_max_held": {"minimum": 1, "maximum": 10_000_000},
+    "lookup_answer_ttl_ms": {"exclusiveMinimum": 0, "maximum": 3_600_000},
+    "lookup_reset_timeout_s": {"exclusiveMinimum": 0, "maximum": 3600},
     "lookup_breaker_failures": {"minimum": 1, "maximum": 10_000},
     "lookup_breaker_cooldown_s": {"exclusiveMinimum": 0, "maximum": 3600},
     "lookup_transport": {"enum": list(TRANSPORTS)},
@@ -85,6 +89,8 @@ def lookup_schema() -> dict[str, Any]:
             if key.name not in LOOKUP_LIMITS:
                 raise SystemExit(f"{key.name}: add its limits to LOOKUP_LIMITS in {__file__}")
             prop.update(LOOKUP_LIMITS[key.name])
+        if key.words:  # a number, or one of its words (lookup_wait_us: auto)
+            prop = {"anyOf": [prop, {"type": "string", "enum": list(key.words)}]}
         prop["description"] = re.sub(r"`([^`]*)`", r"\1", key.doc)
         props[key.name] = prop
     return obj(**props)

@@ -1,0 +1,103 @@
+"""How long the scheduler may wait for lookup answers in one step (``lookup_wait_us``), fixed or ``auto``.
+
+Why a budget per step: in async mode a lookup sent at the start of a step is often answered a few hundred
+microseconds later; waiting that long uses the answer in the step it was asked for, instead of deferring
+the request a whole step. A budget per *step* (not per call) keeps a step with many new requests from
+waiting many times over.
+
+``auto`` follows the measured round trip: the budget is the p90 of recent answered waits plus a margin,
+if that fits in ``lookup_wait_auto_share`` of the measured step interval and most waits are answered in
+time; otherwise (the store is far, or slow right now) the budget is 0 and the scheduler defers at once.
+While the budget is 0, one step in :data:`PROBE_EVERY` still waits up to the cap, to notice when the store
+is close again. Used only from the scheduler's thread.
+"""
+
+from __future__ import annotations
+
+SAMPLES = 64  # answered round trips remembered
+WAITS = 32  # recent waits whose outcome (answered in time or not) is remembered
+MAX_RAN_OUT = 0.5  # past this share of waits running out, auto stops waiting (and probes)
+PROBE_EVERY = 32  # steps between probes while auto has given up waiting
+MARGIN_S = 50e-6  # added to the p90: wake-up and decode after the reply lands
+FIRST_STEP_S = 0.010  # step interval assumed until two steps have been seen
+
+
+class WaitBudget:
+    """The per-step wait budget; ``fixed_s`` is ``lookup_wait_us`` in seconds, or ``None`` for ``auto``."""
+
+    def __init__(self, fixed_s: float | None, *, share: float = 0.25) -> None:
+        self.fixed_s = fixed_s
+        self.share = share
+        self.step_interval_s = FIRST_STEP_S
+        self.in_force_s = fixed_s if fixed_s is not None else 0.0
+        self._left_s = self.in_force_s
+        self._rtts: list[float] = []
+        self._rtt_next = 0
+        self._ran_out: list[bool] = []
+        self._wait_next = 0
+        self._p90_s: float | None = None  # unknown until measured
+        self._fresh = 0
+        self._last_step: float | None = None
+        self._steps = 0
+
+    @property
+    def auto(self) -> bool:
+        """True when the budget follows the measured round trip."""
+        return self.fixed_s is None
+
+    @property
+    def rtt_p90_s(self) -> float | None:
+        """The p90 of recent answered waits (``auto`` only), ``None`` until measured."""
+        return self._p90_s
+
+    def left(self) -> float:
+        """Seconds this step may still wait."""
+        return self._left_s
+
+    def spend(self, seconds: float) -> None:
+        """Count ``seconds`` of waiting against this step's budget."""
+        self._left_s = max(0.0, self._left_s - seconds)
+
+    def observe(self, rtt_s: float | None) -> None:
+        """One wait's outcome: the round trip of an answer that came while waiting, or ``None`` (ran out)."""
+        if not self.auto:
+            return
+        _push(self._ran_out, rtt_s is None, WAITS, self._wait_next)
+        self._wait_next = (self._wait_next + 1) % WAITS
+        if rtt_s is None:
+            return
+        _push(self._rtts, rtt_s, SAMPLES, self._rtt_next)
+        self._rtt_next = (self._rtt_next + 1) % SAMPLES
+        self._fresh += 1
+        if self._fresh >= 8 or len(self._rtts) <= 8:
+            ordered = sorted(self._rtts)
+            self._p90_s = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+            self._fresh = 0
+
+    def new_step(self, now: float) -> float:
+        """A scheduling step begins: refresh the budget (``auto``: from the round trip and step interval)."""
+        if self._last_step is not None:
+            self.step_interval_s += 0.2 * ((now - self._last_step) - self.step_interval_s)
+        self._last_step = now
+        self._steps += 1
+        if self.auto:
+            cap = self.share * self.step_interval_s
+            ran_out = sum(self._ran_out) / len(self._ran_out) if self._ran_out else 0.0
+            if self._p90_s is None:
+                self.in_force_s = cap  # nothing measured yet: wait up to the cap to learn
+            elif self._p90_s + MARGIN_S <= cap and ran_out <= MAX_RAN_OUT:
+                self.in_force_s = self._p90_s + MARGIN_S
+            else:
+                self.in_force_s = cap if self._steps % PROBE_EVERY == 0 else 0.0
+        self._left_s = self.in_force_s
+        return self.in_force_s
+
+
+def _push(ring: list, value: object, size: int, at: int) -> None:
+    if len(ring) < size:
+        ring.append(value)
+    else:
+        ring[at] = value
+
+
+__all__ = ["WaitBudget"]
