@@ -189,4 +189,4 @@ def test_chart_app_version_is_the_package_version():
     pins = dict(dep.split("==", 1) for group in project["optional-dependencies"].values() for dep in group
                 if "==" in dep)
     assert meta["annotations"]["mooncake-lookout/vllm-version"] == pins["vllm"]
-    assert meta["annotations"]["mooncake-lookout/mooncake-version"] == pins["mooncake-transfer-engine"]
+    assert meta["annotations"]["mooncake-lookout/mooncake-version"] == pins["mooncake-transfer-engine-cuda13"]
