@@ -182,12 +182,12 @@ class LiveStack(contextlib.ExitStack):
         self.callback(reader.close)
         self.filler = PrefixIndex(writer, BLOCK)
         server_registry = CollectorRegistry()
+        # vLLM serves its store-operation metrics on the same /metrics as ours: the async scheduler's, here.
         store_op_registry = CollectorRegistry()
         self.store_ops = StoreOperationFeed(store_op_registry)
         self.server = self.enter_context(LookupServer(PrefixIndex(reader, BLOCK), "tcp://127.0.0.1:0", workers=2,
                                                       observers=[ServerMetrics(server_registry), self.store_ops]))
         server_ep = self.enter_context(serve_metrics(0, registry=server_registry))
-        store_op_ep = self.enter_context(serve_metrics(0, registry=store_op_registry))
         self.drivers: dict[str, Any] = {}
         client_eps = []
         for mode, extra in (("async", {"lookup_async": True}), ("sync", {"lookup_async": False})):
@@ -197,14 +197,14 @@ class LiveStack(contextlib.ExitStack):
                      "load_async": False}
             driver = SchedulerDriver(make_vllm_config(extra))
             self.callback(driver.close)
-            registry = CollectorRegistry()
+            registry = store_op_registry if mode == "async" else CollectorRegistry()
             sink = PrometheusSink(LookupConfig.from_extra_config(extra), registry)
             driver.connector.connector_scheduler.observers.add(sink)
             client_eps.append(self.enter_context(serve_metrics(0, registry=registry)))
             self.drivers[mode] = driver
         master_target = self.master.metrics_url.removeprefix("http://")
         self.prometheus = Prometheus({
-            JOBS["clients"]: [f"127.0.0.1:{ep.port}" for ep in [*client_eps, store_op_ep]],
+            JOBS["clients"]: [f"127.0.0.1:{ep.port}" for ep in client_eps],
             JOBS["server"]: [f"127.0.0.1:{server_ep.port}"],
             JOBS["master"]: [master_target],
         }, self.workdir)
