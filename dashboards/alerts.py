@@ -50,6 +50,8 @@ INDEX_LOST_MIN_KEYS = 100
 INDEX_WINDOW = "15m"
 WINDOW = "5m"
 SEEN_WITHIN = "1h"
+# A target counts as down below this share of successful scrapes over WINDOW.
+UP_SHARE = 0.9
 
 
 @dataclass(frozen=True)
@@ -91,11 +93,13 @@ def _ratio(outcomes: str) -> str:
 
 
 def _down_or_absent(evidence: str) -> str:
-    """A target that exported ``evidence`` within the last hour is down (``up == 0``), or a job that exported it
-    within the last hour exports it nowhere now: its pod was deleted, is pending, crash-looping or came back at a
-    new address that never answered (no target left to be down)."""
+    """A target that exported ``evidence`` within the last hour failed more than a tenth of its scrapes of the last
+    5 minutes (down, or crash-looping: a restart that answers a scrape or two does not reset the alert), or a
+    job that exported it within the last hour exports it nowhere now: its pod was deleted, is pending, or came
+    back at a new address that never answered (no target left to be down)."""
     seen = f"max_over_time({evidence}[{SEEN_WITHIN}])"
-    return (f"up == 0\nand on (namespace, job, instance)\ngroup by (namespace, job, instance) ({seen})\n"
+    return (f"avg_over_time(up[{WINDOW}]) < {UP_SHARE}\nand on (namespace, job, instance)\n"
+            f"group by (namespace, job, instance) ({seen})\n"
             f"or\n"
             f"group by (namespace, job) ({seen})\nunless on (namespace, job)\ngroup by (namespace, job) ({evidence})")
 
