@@ -15,21 +15,17 @@ demo:
 bench: setup
 	.venv/bin/mooncake-lookout bench --out out/bench
 
-# Regenerate every generated file: dashboards + alert rules, the chart's values schema and table, README tables.
+# Regenerate every generated file: dashboards + alert rules, the chart's values schema, then every generated
+# block of the docs (README and docs tables, the package graph of docs/architecture.md).
 generate: setup
 	$(PY) dashboards/generate.py
 	$(PY) helm/tools/values_schema.py
-	$(PY) helm/tools/values_table.py
-	$(PY) -m mooncake_lookout.connector.readme
-	$(PY) -m mooncake_lookout.metrics.markdown README.md
-	$(PY) -m mooncake_lookout.metrics.markdown docs/metrics.md
+	$(PY) -m mooncake_lookout.connector.cli.docs
 
 check-generated: setup
 	$(PY) dashboards/generate.py --check
 	$(PY) helm/tools/values_schema.py --check
-	$(PY) helm/tools/values_table.py --check
-	$(PY) -m mooncake_lookout.connector.readme --check
-	$(PY) -m mooncake_lookout.metrics.markdown README.md --check
+	$(PY) -m mooncake_lookout.connector.cli.docs --check
 	promtool check rules dashboards/alerts.rules.yaml
 	promtool test rules dashboards/alerts.test.yaml
 

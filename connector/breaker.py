@@ -6,7 +6,7 @@ Used only from the caller's thread (the client settles answers there), so it nee
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 class CircuitBreaker:

@@ -19,13 +19,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import OrderedDict
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from mooncake_lookout.connector.breaker import CircuitBreaker
 from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.events import LookupObserver, LookupRecord, ObserverSet, Outcome
 from mooncake_lookout.connector.job import Answer, LookupJob, LookupResult
-from mooncake_lookout.connector.transport import Transport, TransportClosed
+from mooncake_lookout.connector.transport.base import Transport, TransportClosed
 
 _Key = tuple[int, int, bytes]
 
@@ -76,10 +77,10 @@ class LookupClient:
         self._closed = False
 
     @classmethod
-    def from_vllm_config(cls, vllm_config: Any, *, observer: LookupObserver | None = None) -> "LookupClient":
+    def from_vllm_config(cls, vllm_config: Any, *, observer: LookupObserver | None = None) -> LookupClient:
         """Build the client the way vLLM's connector would: config from ``kv_connector_extra_config``."""
         from mooncake_lookout.connector.addresses import lookup_address
-        from mooncake_lookout.connector.transports import make_transport
+        from mooncake_lookout.connector.transport import make_transport
 
         config = LookupConfig.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
         return cls(config, make_transport(config, lookup_address(vllm_config, config)), observer=observer)

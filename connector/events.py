@@ -17,8 +17,9 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -282,4 +283,5 @@ class OutcomeCounter(NullObserver):
         return sum(self.outcomes[o] for o in outcomes)
 
 
-__all__ = ["BackgroundObserver", "LookupObserver", "LookupRecord", "NullObserver", "ObserverSet", "Outcome", "OutcomeCounter"]
+__all__ = ["BackgroundObserver", "LookupObserver", "LookupRecord", "NullObserver", "ObserverSet", "Outcome",
+           "OutcomeCounter"]

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from mooncake_lookout.connector.events import LookupObserver, LookupRecord, Outcome
 
@@ -42,7 +42,7 @@ class Answer:
     error: str | None = None
 
     @classmethod
-    def from_result(cls, result: LookupResult) -> "Answer":
+    def from_result(cls, result: LookupResult) -> Answer:
         """A successful answer: a hit if any token was found, else a miss."""
         return cls(Outcome.HIT if result.hit_length > 0 else Outcome.MISS, result)
 

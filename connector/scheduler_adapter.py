@@ -23,7 +23,7 @@ from mooncake_lookout.connector.addresses import lookup_address
 from mooncake_lookout.connector.client import LookupClient
 from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.events import BackgroundObserver, LookupObserver
-from mooncake_lookout.connector.transports import make_transport
+from mooncake_lookout.connector.transport import make_transport
 
 
 def retire_upstream_client(client: Any) -> None:
@@ -35,6 +35,8 @@ def retire_upstream_client(client: Any) -> None:
 
 class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
     """Upstream's scheduler-side connector logic over a deadline-bound, observable lookup client."""
+
+    client: Any  # upstream's LookupKeyClient until __init__ replaces it with our LookupClient
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, *, observer: LookupObserver | None = None) -> None:
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
@@ -113,7 +115,8 @@ class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
         """Stop the lookup client and its transport, then flush spans."""
         self.client.close()
         if self.tracer is not None:
-            self._tracing.close()
+            if self._tracing is not None:
+                self._tracing.close()
             self.tracer.shutdown()
 
 

@@ -14,22 +14,22 @@ path untouched and, with ``lookup_transport: pipelined``, also serves our lookup
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import MooncakeStoreConnector
 
 from mooncake_lookout.connector.config import LookupConfig
-from mooncake_lookout.connector.scheduler_adapter import LookoutMooncakeStoreScheduler, retire_upstream_client
-
-logger = logging.getLogger(__name__)
-
 from mooncake_lookout.connector.plugin import CONNECTOR_NAME
+from mooncake_lookout.connector.scheduler_adapter import LookoutMooncakeStoreScheduler, retire_upstream_client
+from mooncake_lookout.connector.server.worker_backend import serve_pipelined
+from mooncake_lookout.connector.transport.names import PIPELINED
 
 
 class LookoutMooncakeStoreConnector(MooncakeStoreConnector):
     """Upstream's connector; the scheduler's lookups go through mooncake-lookout's client."""
+
+    connector_scheduler: Any  # upstream's scheduler until __init__ replaces it with ours (scheduler role)
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
@@ -42,8 +42,8 @@ class LookoutMooncakeStoreConnector(MooncakeStoreConnector):
             if upstream is not None:
                 retire_upstream_client(upstream.client)
             self.connector_scheduler = LookoutMooncakeStoreScheduler(vllm_config, kv_cache_config)
-        elif self.lookup_config.lookup_transport == "pipelined":
-            self._lookup_server = _serve_pipelined(vllm_config, self.lookup_config, self.connector_worker)
+        elif self.lookup_config.lookup_transport == PIPELINED:
+            self._lookup_server = serve_pipelined(vllm_config, self.lookup_config, self.connector_worker)
 
     @property
     def lookup_client(self) -> Any:
@@ -92,36 +92,4 @@ class LookoutMooncakeStoreConnector(MooncakeStoreConnector):
         super().shutdown()
 
 
-class WorkerBackend:
-    """Our lookup server's backend on a GPU worker: upstream's own ``MooncakeStoreWorker.lookup``."""
-
-    def __init__(self, worker: Any) -> None:
-        self.worker = worker
-
-    def lookup(self, num_tokens: int, block_hashes: Any) -> Any:
-        """Upstream's lookup (its result has the fields of :class:`LookupResult`)."""
-        return self.worker.lookup(num_tokens, block_hashes)
-
-    def reset(self) -> bool:
-        """What upstream's server does on reset: drain in-flight puts, then wipe the store."""
-        send_thread = getattr(self.worker, "kv_send_thread", None)
-        if send_thread is not None:
-            send_thread.request_queue.join()
-        self.worker.store.remove_all(force=True)
-        return True
-
-
-def _serve_pipelined(vllm_config: Any, config: LookupConfig, worker: Any) -> Any:
-    """On the rank that runs upstream's lookup server, also run ours (pipelined) over the worker's lookup."""
-    if worker is None or getattr(worker, "lookup_server", None) is None:
-        return None
-    from mooncake_lookout.connector.addresses import pipelined_lookup_address
-    from mooncake_lookout.connector.server import LookupServer
-
-    server = LookupServer(WorkerBackend(worker), pipelined_lookup_address(vllm_config, config))
-    server.start()
-    logger.info("mooncake-lookout pipelined lookup server on %s", server.address)
-    return server
-
-
-__all__ = ["CONNECTOR_NAME", "LookoutMooncakeStoreConnector", "WorkerBackend"]
+__all__ = ["CONNECTOR_NAME", "LookoutMooncakeStoreConnector"]

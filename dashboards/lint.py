@@ -8,7 +8,8 @@ validates the syntax in the live test.
 from __future__ import annotations
 
 import re
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 # PromQL words that may appear outside selectors: functions, aggregations, operators, modifiers.
 PROMQL_WORDS = frozenset({

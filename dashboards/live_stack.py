@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -29,9 +30,11 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from mooncake_lookout.connector.config import LookupConfig
-from mooncake_lookout.connector.mooncake_master import EmbeddedMaster, open_store, open_writer_store
-from mooncake_lookout.connector.prefix_index import PrefixIndex
+from mooncake_lookout.connector.rigs.master import EmbeddedMaster
+from mooncake_lookout.connector.rigs.processes import stop_process
 from mooncake_lookout.connector.server import LookupServer, ServerObserver
+from mooncake_lookout.connector.server.prefix_index import PrefixIndex
+from mooncake_lookout.connector.server.store import open_store, open_writer_store
 from mooncake_lookout.metrics.exporter import serve_metrics
 from mooncake_lookout.metrics.prometheus_sink import PrometheusSink
 from mooncake_lookout.metrics.server_sink import ServerMetrics
@@ -75,7 +78,7 @@ class StoreOperationFeed(ServerObserver):
 
 def _store_op_config() -> Any:
     """The smallest real VllmConfig the store metrics accept (they keep its kv_transfer_config)."""
-    from mooncake_lookout.connector.upstream_server import lookup_vllm_config
+    from mooncake_lookout.connector.rigs.vllm_lookup_server import lookup_vllm_config
 
     return lookup_vllm_config()
 
@@ -128,41 +131,34 @@ class Prometheus(PromAPI):
         (workdir / "prometheus.yml").write_text(config)
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout_s: float = 30.0) -> "Prometheus":
+    def start(self, timeout_s: float = 30.0) -> Prometheus:
         """Start and wait (bounded) until ready."""
-        log = open(self.workdir / "prometheus.log", "wb")
-        self.proc = subprocess.Popen(
-            [self.binary, f"--config.file={self.workdir / 'prometheus.yml'}",
-             f"--storage.tsdb.path={self.workdir / 'tsdb'}", f"--web.listen-address=127.0.0.1:{self.port}"],
-            stdout=log, stderr=subprocess.STDOUT)
-        log.close()
+        with open(self.workdir / "prometheus.log", "wb") as log:
+            self.proc = subprocess.Popen(
+                [self.binary, f"--config.file={self.workdir / 'prometheus.yml'}",
+                 f"--storage.tsdb.path={self.workdir / 'tsdb'}", f"--web.listen-address=127.0.0.1:{self.port}"],
+                stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"prometheus exited: {(self.workdir / 'prometheus.log').read_text()[-2000:]}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(self.url + "/-/ready", timeout=1) as r:
-                    if r.status == 200:
-                        return self
+            with contextlib.suppress(OSError), urllib.request.urlopen(self.url + "/-/ready", timeout=1) as r:
+                if r.status == 200:
+                    return self
             time.sleep(0.1)
         raise TimeoutError("prometheus did not become ready")
 
     def stop(self) -> None:
         """Terminate by pid, kill if it does not stop."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        if self.proc is not None:
+            stop_process(self.proc, signal.SIGTERM, timeout_s=10.0)
         self.proc = None
 
 
 class LiveStack(contextlib.ExitStack):
     """Master, lookup server, two vLLM schedulers and Prometheus on 127.0.0.1 (see the module docstring)."""
 
-    def __enter__(self) -> "LiveStack":
+    def __enter__(self) -> LiveStack:
         super().__enter__()
         try:
             self._start()
@@ -172,7 +168,7 @@ class LiveStack(contextlib.ExitStack):
         return self
 
     def _start(self) -> None:
-        from mooncake_lookout.connector.scheduler_driver import SchedulerDriver, make_vllm_config
+        from mooncake_lookout.connector.rigs.scheduler_driver import SchedulerDriver, make_vllm_config
 
         self.workdir = Path(self.enter_context(tempfile.TemporaryDirectory(prefix="lookout-live-")))
         self.master = self.enter_context(EmbeddedMaster())

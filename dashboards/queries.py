@@ -7,7 +7,7 @@ dashboard variables; alert rules pass ``filters=None`` and get plain selectors.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from mooncake_lookout.metrics.catalogue import MetricSpec
 

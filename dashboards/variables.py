@@ -46,7 +46,7 @@ def _query_var(name: str, label: str, query: str, description: str) -> db.QueryV
 
 
 def variables() -> list[Any]:
-    """datasource, then namespace -> job -> pod -> instance -> model_name -> engine, then master_job -> master_instance."""
+    """datasource, namespace -> job -> pod -> instance -> model_name -> engine, then master_job -> master_instance."""
     out: list[Any] = [db.DatasourceVariable("datasource").label("Data source").type("prometheus")
                  .description("The Prometheus that scrapes vLLM, the lookup servers and the Mooncake master.")]
     done: list[str] = []
@@ -67,10 +67,21 @@ def variables() -> list[Any]:
     return out
 
 
+TAGS = ["mooncake-lookout", "vllm", "mooncake"]
+
+
+def new_dashboard(title: str, uid: str, description: str, link: db.DashboardLink) -> db.Dashboard:
+    """An empty dashboard with what both of ours share: tags, time range, refresh, crosshair, variables."""
+    return (db.Dashboard(title).uid(uid).tags(TAGS).editable().time("now-1h", "now").refresh("30s")
+            .tooltip(dm.DashboardCursorSync.CROSSHAIR).timezone("browser").description(description)
+            .variables(variables()).link(link))
+
+
 def link_to(title: str, uid: str, tooltip: str) -> db.DashboardLink:
     """A link to another dashboard that keeps the time range and the variables."""
     return (db.DashboardLink(title).type(dm.DashboardLinkType.LINK).url(f"/d/{uid}").tooltip(tooltip)
             .icon("dashboard").include_vars(True).keep_time(True).target_blank(False))
 
 
-__all__ = ["ALL", "LOOKUP_CHAIN", "MASTER_CHAIN", "VARIABLE_SOURCES", "label_values_query", "link_to", "variables"]
+__all__ = ["ALL", "LOOKUP_CHAIN", "MASTER_CHAIN", "TAGS", "VARIABLE_SOURCES", "label_values_query", "link_to",
+           "new_dashboard", "variables"]

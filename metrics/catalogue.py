@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mooncake_lookout.connector.events import Outcome
+
 PREFIX = "vllm:mooncake_lookup_"
 
 # Seconds histograms span 10 us to 10 s (DESIGN): 1-2.5-5 per decade.
@@ -18,14 +20,14 @@ SECONDS_BUCKETS: tuple[float, ...] = (
 STEPS_BUCKETS: tuple[float, ...] = (0, 1, 2, 3, 5, 10, 20, 50, 100, 1000)
 BATCH_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
 
-OUTCOMES: tuple[str, ...] = ("hit", "miss", "error", "timeout", "rejected", "breaker_open", "discarded")
+OUTCOMES: tuple[str, ...] = tuple(o.value for o in Outcome)  # the ``outcome`` label: how a lookup ended
 MODES: tuple[str, ...] = ("sync", "async", "budget")
 SERVER_STATUSES: tuple[str, ...] = ("ok", "error", "bad_request")
 
 
 @dataclass(frozen=True)
 class MetricSpec:
-    """One metric family. ``name`` is the full Prometheus name (counters without ``_total``, as prometheus_client wants)."""
+    """One metric family; ``name`` is the full Prometheus name (counters without ``_total``, as the client wants)."""
 
     name: str
     kind: str  # counter, gauge, histogram

@@ -1,4 +1,4 @@
-"""Serve a ``prometheus_client`` registry on ``/metrics`` for a standalone process, and stop it again.
+"""Serve a ``prometheus_client`` registry on ``/metrics`` for a standalone process, and read such a page.
 
 vLLM serves its own ``/metrics``; the lookup server, demo and bench use this. Binds 127.0.0.1 unless
 told otherwise, and port 0 picks a free port (read it back from :attr:`MetricsEndpoint.port`).
@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import socket
 import threading
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import REGISTRY, CollectorRegistry, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client.parser import text_string_to_metric_families
 
 TEXT_FORMAT = "text/plain; version=0.0.4"
 
@@ -46,7 +48,7 @@ class MetricsEndpoint:
         family = socket.AF_INET6 if ":" in addr else socket.AF_INET
         server_cls = type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
         try:
-            self._server = make_server(addr, port, _text_only(make_wsgi_app(registry)), server_cls,
+            self._server: ThreadingWSGIServer = make_server(addr, port, _text_only(make_wsgi_app(registry)), server_cls,
                                        handler_class=_QuietHandler)
         except OSError as exc:
             raise OSError(exc.errno, f"{exc.strerror} (metrics endpoint addr={addr}, port={port})") from exc
@@ -71,7 +73,7 @@ class MetricsEndpoint:
         self._server.server_close()
         self._thread.join(timeout_s)
 
-    def __enter__(self) -> "MetricsEndpoint":
+    def __enter__(self) -> MetricsEndpoint:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -84,4 +86,23 @@ def serve_metrics(port: int = 0, addr: str = "127.0.0.1",
     return MetricsEndpoint(port, addr, registry)
 
 
-__all__ = ["MetricsEndpoint", "TEXT_FORMAT", "serve_metrics"]
+def new_registry() -> CollectorRegistry:
+    """A fresh registry of this process's own (not the global one), for one server or one run."""
+    return CollectorRegistry()
+
+
+def sum_samples(text: str, names: Iterable[str]) -> dict[str, float]:
+    """Each of ``names`` found in a ``/metrics`` page (text format), summed over its label sets.
+
+    Raises ValueError if the text does not parse.
+    """
+    wanted = set(names)
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+__all__ = ["MetricsEndpoint", "TEXT_FORMAT", "new_registry", "serve_metrics", "sum_samples"]

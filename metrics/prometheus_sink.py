@@ -20,9 +20,11 @@ from mooncake_lookout.metrics.catalogue import MetricSpec
 _KINDS = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
 
 
-def make_metric(spec: MetricSpec, registry: CollectorRegistry | None = REGISTRY,
-                **extra: Any) -> Counter | Gauge | Histogram:
-    """Create the ``prometheus_client`` family a catalogue spec describes, registered in ``registry``."""
+def make_metric(spec: MetricSpec, registry: CollectorRegistry | None = REGISTRY, **extra: Any) -> Any:
+    """Create the ``prometheus_client`` family a catalogue spec describes, registered in ``registry``.
+
+    A Counter, Gauge or Histogram as ``spec.kind`` says (typed ``Any``: the kind is known at run time only).
+    """
     kwargs: dict[str, Any] = dict(name=spec.name, documentation=spec.help, labelnames=spec.labels,
                                   registry=registry, **extra)
     if spec.kind == "histogram":

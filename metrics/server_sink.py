@@ -1,6 +1,6 @@
 """The lookup server's own figures: frames answered, queue depth, concurrent store calls, store latency.
 
-A :class:`~mooncake_lookout.connector.server.ServerObserver`: pass it to
+A :class:`~mooncake_lookout.connector.server.observer.ServerObserver`: pass it to
 ``LookupServer(..., observers=[ServerMetrics(registry)])``. The server calls it on its IO thread;
 ``prometheus_client`` values are thread-safe, so nothing here locks. Names come from the ``SERVER_*``
 specs of :mod:`.catalogue`.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from mooncake_lookout.connector.server import ServerObserver
+from mooncake_lookout.connector.server.observer import ServerObserver
 from mooncake_lookout.metrics import catalogue as cat
 from mooncake_lookout.metrics.prometheus_sink import make_metric
 

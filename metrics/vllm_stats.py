@@ -82,13 +82,13 @@ class LookoutLookupStats(KVConnectorStats):
 
     def reset(self) -> None:
         """Forget everything collected."""
-        self.data = {}
+        self.data: dict[str, Any] = {}
 
     def is_empty(self) -> bool:
         """True when no step and no upstream operation is held."""
         return not any(self.data.values())
 
-    def aggregate(self, other: KVConnectorStats) -> "LookoutLookupStats":
+    def aggregate(self, other: KVConnectorStats) -> LookoutLookupStats:
         """Append ``other``'s step records and operation records to ours (lists concatenate)."""
         for key, records in other.data.items():
             if records:

@@ -28,19 +28,21 @@ prometheus_binary    session  the path of Debian's ``prometheus`` (fails the tes
 from __future__ import annotations
 
 import itertools
-import sys
 import shutil
 import subprocess
+import sys
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 
-from mooncake_lookout.connector.mooncake_master import EmbeddedMaster, open_writer_store
+from mooncake_lookout.connector.rigs.master import EmbeddedMaster
+from mooncake_lookout.connector.rigs.workload import shared_prefix_workload, unique_hashes
+from mooncake_lookout.connector.server.prefix_index import PrefixIndex
+from mooncake_lookout.connector.server.store import open_writer_store
 from mooncake_lookout.metrics.catalogue import PREFIX
-from mooncake_lookout.connector.prefix_index import PrefixIndex
-from mooncake_lookout.connector.workload import shared_prefix_workload, unique_hashes
 
 # dashboards/ and helm/tools/ are folders of scripts, not packages: their tests import them by module name.
 _ROOT = Path(__file__).resolve().parents[1]
@@ -118,7 +120,7 @@ def make_hashes() -> Any:
 @pytest.fixture(scope="session")
 def rpc_base_path() -> Iterator[str]:
     """VLLM_RPC_BASE_PATH for the session: a private 0700 folder, removed at the end."""
-    from mooncake_lookout.connector.upstream_server import private_rpc_base_path
+    from mooncake_lookout.connector.rigs.rpc_base_path import private_rpc_base_path
 
     with private_rpc_base_path() as path:
         yield path
@@ -127,7 +129,7 @@ def rpc_base_path() -> Iterator[str]:
 @pytest.fixture
 def lookup_vllm_config(rpc_base_path: str) -> Any:
     """A minimal real VllmConfig whose lookup IPC path (in ``rpc_base_path``) no other test uses."""
-    from mooncake_lookout.connector.upstream_server import lookup_vllm_config as build
+    from mooncake_lookout.connector.rigs.vllm_lookup_server import lookup_vllm_config as build
 
     return build(next(_lookup_ports))
 
@@ -135,7 +137,7 @@ def lookup_vllm_config(rpc_base_path: str) -> Any:
 @pytest.fixture
 def upstream_lookup_server(prefix_index: PrefixIndex, lookup_vllm_config: Any) -> Iterator[Any]:
     """vLLM's real LookupKeyServer answering from ``prefix_index``; stopped cleanly (thread joined) after."""
-    from mooncake_lookout.connector.upstream_server import UpstreamLookupServer
+    from mooncake_lookout.connector.rigs.vllm_lookup_server import UpstreamLookupServer
 
     server = UpstreamLookupServer(prefix_index, lookup_vllm_config).start()
     yield server

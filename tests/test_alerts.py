@@ -67,9 +67,10 @@ MUTATIONS = {
     "capacity at a fixed share, not the watermark": (
         "MooncakeMasterNearCapacity", f"{alerts.WATERMARK_SHARE} * {alerts.EVICTION_WATERMARK}", "0.9"),
     "a vanished master goes unnoticed": ("MooncakeMasterUnreachable", "\nor\n", "\nand\n"),
-    "a crash-looping master goes unnoticed": ("MooncakeMasterUnreachable", f"avg_over_time(up[{alerts.WINDOW}]) < {alerts.UP_SHARE}",
-                                              "up == 0"),
-    "a lost index is taken for a quiet store": ("MooncakeMasterReplaced", f"< {alerts.INDEX_LOST_SHARE} *", "< 0.001 *"),
+    "a crash-looping master goes unnoticed": (
+        "MooncakeMasterUnreachable", f"avg_over_time(up[{alerts.WINDOW}]) < {alerts.UP_SHARE}", "up == 0"),
+    "a lost index is taken for a quiet store": (
+        "MooncakeMasterReplaced", f"< {alerts.INDEX_LOST_SHARE} *", "< 0.001 *"),
     "engines without the plugin go unnoticed": ("MooncakeLookupMetricsAbsent", "(up == 1)", "(up == 2)"),
 }
 

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from mooncake_lookout.connector.bench import format_report
+
+from mooncake_lookout.connector.bench.run import format_report
 
 SCRIPT = Path(sys.executable).parent / "mooncake-lookout"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from mooncake_lookout.connector.cli import build_parser, main
-from mooncake_lookout.connector.demo import parse_duration
+from mooncake_lookout.connector.cli.demo import parse_duration
 
 SCRIPT = Path(sys.executable).parent / "mooncake-lookout"
 

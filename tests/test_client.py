@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from mooncake_lookout.connector.client import LookupClient
 from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.events import Outcome, OutcomeCounter
-from mooncake_lookout.connector.upstream import UpstreamTransport
+from mooncake_lookout.connector.transport.upstream import UpstreamTransport
 
 BLOCK = 16
 
@@ -141,9 +142,9 @@ def test_close_while_a_lookup_is_in_flight(upstream_server, make_hashes) -> None
 @pytest.fixture
 def private_stack(private_master, lookup_vllm_config) -> Iterator[Any]:
     """A master of its own (free to pause or kill), a store client, an index and vLLM's LookupKeyServer."""
-    from mooncake_lookout.connector.mooncake_master import open_writer_store
-    from mooncake_lookout.connector.prefix_index import PrefixIndex
-    from mooncake_lookout.connector.upstream_server import UpstreamLookupServer
+    from mooncake_lookout.connector.rigs.vllm_lookup_server import UpstreamLookupServer
+    from mooncake_lookout.connector.server.prefix_index import PrefixIndex
+    from mooncake_lookout.connector.server.store import open_writer_store
 
     store = open_writer_store(private_master.rpc_address, rpc_timeout_ms=3000)
     index = PrefixIndex(store, BLOCK, namespace="fault")
@@ -183,7 +184,7 @@ def test_stalled_store_answers_a_miss_within_the_deadline_then_recovers(private_
 
 
 def test_server_restarted_with_a_request_in_flight(private_stack, make_hashes) -> None:
-    from mooncake_lookout.connector.upstream_server import UpstreamLookupServer
+    from mooncake_lookout.connector.rigs.vllm_lookup_server import UpstreamLookupServer
 
     hashes = make_hashes(4, seed=10)
     private_stack.index.store_prefixes([hashes])
@@ -237,9 +238,9 @@ def test_breaker_opens_after_failures_and_closes_after_a_good_probe(private_stac
 
 def test_store_errors_are_counted_as_errors_not_misses(private_master, make_hashes) -> None:
     """A dead master makes the store return error codes; our server reports them, the client counts errors."""
-    from mooncake_lookout.connector.mooncake_master import open_store
-    from mooncake_lookout.connector.prefix_index import PrefixIndex
     from mooncake_lookout.connector.server import LookupServer
+    from mooncake_lookout.connector.server.prefix_index import PrefixIndex
+    from mooncake_lookout.connector.server.store import open_store
 
     store = open_store(private_master.rpc_address, rpc_timeout_ms=500)
     index = PrefixIndex(store, BLOCK, namespace="err")

@@ -1,4 +1,4 @@
-"""The committed dashboards are what the generator makes, well formed, and query only known metrics with the variables."""
+"""The committed dashboards are what the generator makes: well formed, querying only known metrics, with variables."""
 
 from __future__ import annotations
 

@@ -8,19 +8,18 @@ that it exits cleanly and that the Mooncake master and the lookup server process
 from __future__ import annotations
 
 import os
-import queue
 import re
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from mooncake_lookout.connector.rigs.processes import ChildProcess
 from mooncake_lookout.metrics import catalogue
 
 SCRIPT = Path(sys.executable).parent / "mooncake-lookout"
@@ -28,59 +27,40 @@ START_TIMEOUT_S = 120.0
 
 
 class Demo:
-    """The demo subprocess and the lines it printed so far (read by a thread into a queue)."""
+    """The demo subprocess (a :class:`ChildProcess`: its lines read by a thread) and a cursor past the last match."""
 
     def __init__(self, *args: str) -> None:
-        self.stderr = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen([str(SCRIPT), "demo", *args], stdout=subprocess.PIPE, stderr=self.stderr,
-                                     text=True)
-        self.lines: list[str] = []
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
+        self.stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - read back in failure messages, closed by kill()
+        self.child = ChildProcess([str(SCRIPT), "demo", *args], env=dict(os.environ), stderr=self.stderr, name="demo")
+        self.proc = self.child.proc
+        self._next = 0  # number of the first line the next wait looks at
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._queue.put(line.rstrip("\n"))
-        self._queue.put(None)
+    @property
+    def lines(self) -> list[str]:
+        return self.child.lines()
 
     def _explain(self) -> str:
         self.stderr.seek(0)
-        return "\n".join(self.lines) + "\n--- stderr tail ---\n" + self.stderr.read()[-3000:]
+        return "\n--- stderr tail ---\n" + self.stderr.read()[-3000:]
 
     def wait_for(self, pattern: str, timeout_s: float = START_TIMEOUT_S) -> re.Match[str]:
         """Take lines until one matches ``pattern`` (bounded); returns the match."""
-        deadline = time.monotonic() + timeout_s
         rx = re.compile(pattern)
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                line = self._queue.get(timeout=left)
-            except queue.Empty:
-                break
-            if line is None:
-                self._queue.put(None)
-                break
-            self.lines.append(line)
-            if m := rx.search(line):
-                return m
-        raise AssertionError(f"no line matching {pattern!r} within {timeout_s} s; got:\n" + self._explain())
+        try:
+            number, line = self.child.find_line(rx.search, timeout_s, f"line matching {pattern!r}", after=self._next)
+        except (RuntimeError, TimeoutError) as e:
+            raise AssertionError(f"{e}{self._explain()}") from None
+        self._next = number + 1
+        match = rx.search(line)
+        assert match is not None
+        return match
 
     def rest(self, timeout_s: float = 60.0) -> int:
-        """Take every remaining line and the exit code (bounded)."""
-        code = self.proc.wait(timeout_s)
-        self._reader.join(timeout_s)
-        while not self._queue.empty():
-            line = self._queue.get()
-            if line is not None:
-                self.lines.append(line)
-        return code
+        """Wait for every remaining line and the exit code (bounded)."""
+        return self.child.wait_exit(timeout_s)
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self._reader.join(10)
+        self.child.kill()
         self.stderr.close()
 
 

@@ -10,11 +10,11 @@ import fnmatch
 import json
 import re
 import shlex
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,8 +187,8 @@ def test_engine_entrypoint_matches_the_chart_command():
 
 
 def test_engine_build_context_holds_what_the_wheel_stage_copies():
-    patterns = [l.strip() for l in (DOCKER / "engine.Dockerfile.dockerignore").read_text().splitlines()
-                if l.strip() and not l.startswith("#")]
+    patterns = [line.strip() for line in (DOCKER / "engine.Dockerfile.dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
 
     def ignored(path: str) -> bool:
         verdict = False
@@ -211,14 +211,16 @@ def test_master_image_installs_the_pinned_wheel_and_runs_as_the_charts_user():
     (stage,) = MASTER.stages
     assert stage.base.startswith("python:3.11-")
     assert pip_installs(stage) == [PINS["mooncake-transfer-engine-non-cuda"]]
-    assert PINS["mooncake-transfer-engine-non-cuda"].split("==")[1] == PINS["mooncake-transfer-engine-cuda13"].split("==")[1]
+    cpu, gpu = PINS["mooncake-transfer-engine-non-cuda"], PINS["mooncake-transfer-engine-cuda13"]
+    assert cpu.split("==")[1] == gpu.split("==")[1]
     (user,) = of(stage, "USER")
     uid, _, gid = user.partition(":")
     assert int(uid) != 0 and int(uid) == VALUES["master"]["podSecurityContext"]["runAsUser"]
     assert int(gid) == VALUES["master"]["podSecurityContext"]["runAsGroup"]
     assert json.loads(of(stage, "ENTRYPOINT")[0]) == ["mooncake_master"]
     (expose,) = of(stage, "EXPOSE")
-    assert sorted(int(p) for p in expose.split()) == sorted([VALUES["master"]["rpcPort"], VALUES["master"]["metricsPort"]])
+    ports = [VALUES["master"]["rpcPort"], VALUES["master"]["metricsPort"]]
+    assert sorted(int(p) for p in expose.split()) == sorted(ports)
 
 
 def test_chart_annotations_name_the_versions_the_images_install():
@@ -249,7 +251,8 @@ def test_workflow_builds_both_images_where_the_chart_pulls_them_from():
     # Tagged <owner>/<image>:<version>: the chart's default repositories, with the appVersion as tag.
     steps = job["steps"]
     push = next(s for s in steps if s.get("uses", "").startswith("docker/build-push-action"))
-    assert push["with"]["tags"] == "ghcr.io/${{ steps.meta.outputs.owner }}/${{ matrix.image }}:${{ steps.meta.outputs.version }}"
+    assert push["with"]["tags"] == ("ghcr.io/${{ steps.meta.outputs.owner }}/${{ matrix.image }}:"
+                                    "${{ steps.meta.outputs.version }}")
     for component in ("engine", "master"):
         repository = VALUES[component]["image"]["repository"]
         assert repository.startswith("ghcr.io/") and repository.rsplit("/", 1)[1] == component

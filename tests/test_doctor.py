@@ -8,7 +8,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from mooncake_lookout.connector.doctor import check_master, probe_server
+
+from mooncake_lookout.connector.cli.doctor import check_master, probe_server
 
 
 @pytest.fixture
@@ -49,7 +50,7 @@ def test_master_health_and_metrics(mooncake_master: Any) -> None:
 
 
 def test_unreachable_master_is_reported() -> None:
-    from mooncake_lookout.connector.mooncake_master import free_port
+    from mooncake_lookout.connector.rigs.master import free_port
 
     findings = check_master(f"http://127.0.0.1:{free_port()}", timeout_s=0.5)
     assert len(findings) == 1 and not findings[0].ok

@@ -5,7 +5,12 @@ from __future__ import annotations
 import threading
 
 from mooncake_lookout.connector.events import (
-    BackgroundObserver, LookupRecord, NullObserver, ObserverSet, Outcome, OutcomeCounter,
+    BackgroundObserver,
+    LookupRecord,
+    NullObserver,
+    ObserverSet,
+    Outcome,
+    OutcomeCounter,
 )
 
 

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from mooncake_lookout.connector.events import NullObserver, Outcome, OutcomeCounter
-from mooncake_lookout.connector.scheduler_driver import BLOCK_SIZE, SchedulerDriver, make_vllm_config
-from mooncake_lookout.connector.soak import CallBudget, FaultRig
-from mooncake_lookout.connector.workload import WorkloadRequest
+from mooncake_lookout.connector.rigs.scheduler_driver import BLOCK_SIZE, SchedulerDriver, make_vllm_config
+from mooncake_lookout.connector.rigs.soak import CallBudget, FaultRig
+from mooncake_lookout.connector.rigs.workload import WorkloadRequest
 
 TIMEOUT_MS = 100.0
 SLACK_S = 0.005

@@ -10,12 +10,13 @@ back to 0; lookups succeed again within 5 s of the server's return, with the sam
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-from mooncake_lookout.connector.soak import FaultRig
-from mooncake_lookout.connector.workload import shared_prefix_workload
+from mooncake_lookout.connector.rigs.soak import FaultRig
+from mooncake_lookout.connector.rigs.workload import shared_prefix_workload
 
 TIMEOUT_MS = 100.0
 RECOVERY_BOUND_S = 5.0
@@ -74,13 +75,6 @@ def ask_all(rig: FaultRig, reqs: list[Any], prefix: str, *, blocking_every: int 
     return answers
 
 
-def assert_recovers(rig: FaultRig, reqs: list[Any]) -> float:
-    probe = max(reqs, key=lambda r: rig.truth(r.num_tokens, r.block_hashes))
-    took = rig.recovery_s(probe, timeout_s=RECOVERY_BOUND_S)
-    assert took is not None, f"lookups did not hit again within {RECOVERY_BOUND_S} s"
-    return took
-
-
 def test_healthy_baseline_serves_exactly_the_truth(rig: FaultRig, work: list[Any]) -> None:
     answers = ask_all(rig, work, "base-")
     for i, r in enumerate(work):
@@ -99,7 +93,7 @@ def test_server_killed_with_lookups_in_flight_then_restarted(rig: FaultRig, work
         client.discard(f"k-{i}")
     assert client.pending == 0
     rig.server.start()
-    took = assert_recovers(rig, work)
+    took = rig.assert_recovers(work, RECOVERY_BOUND_S)
     answers = ask_all(rig, work, "back-")
     served = sum(a.hit_length for a in answers.values())
     assert served == sum(rig.truth(r.num_tokens, r.block_hashes) for r in work), "hits lost after restart"
@@ -120,7 +114,7 @@ def test_server_hung_then_resumed_serves_no_late_answer(rig: FaultRig, work: lis
     finally:
         rig.server.resume()
     # The thawed server now answers the old requests; those replies must be dropped, not served.
-    took = assert_recovers(rig, work)
+    took = rig.assert_recovers(work, RECOVERY_BOUND_S)
     answers = ask_all(rig, work, "thawed-")
     for i, r in enumerate(work):
         assert answers[f"thawed-{i}"].hit_length == rig.truth(r.num_tokens, r.block_hashes)

@@ -8,16 +8,17 @@ store cannot be produced for real on demand. Everything else is a real signal to
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
+from mooncake_lookout.connector.client import LookupClient
 from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.events import Outcome, OutcomeCounter
-from mooncake_lookout.connector.client import LookupClient
-from mooncake_lookout.connector.soak import FaultRig, poll_until
-from mooncake_lookout.connector.transports import make_transport
-from mooncake_lookout.connector.workload import shared_prefix_workload
+from mooncake_lookout.connector.rigs.soak import FaultRig, poll_until
+from mooncake_lookout.connector.rigs.workload import shared_prefix_workload
+from mooncake_lookout.connector.transport import make_transport
 
 TIMEOUT_MS = 100.0
 RECOVERY_BOUND_S = 5.0
@@ -63,13 +64,6 @@ def ask_blocking(rig: FaultRig, client: LookupClient, reqs: list[Any], prefix: s
     return out
 
 
-def recovers(rig: FaultRig, reqs: list[Any]) -> float:
-    probe = max(reqs, key=lambda r: rig.truth(r.num_tokens, r.block_hashes))
-    took = rig.recovery_s(probe, timeout_s=RECOVERY_BOUND_S)
-    assert took is not None, f"lookups did not hit again within {RECOVERY_BOUND_S} s"
-    return took
-
-
 def test_master_killed_mid_run_and_restarted(rig: FaultRig, work: list[Any]) -> None:
     client = rig.client
     for i, r in enumerate(work):
@@ -86,7 +80,7 @@ def test_master_killed_mid_run_and_restarted(rig: FaultRig, work: list[Any]) -> 
         client.discard(f"inflight-{i}")
     assert client.pending == 0
     rig.restore(work)
-    took = recovers(rig, work)
+    took = rig.assert_recovers(work, RECOVERY_BOUND_S)
     answers = ask_blocking(rig, client, work, "back-")
     assert [a.hit_length for a in answers] == [rig.truth(r.num_tokens, r.block_hashes) for r in work]
     print(f"master kill -> lookups hit {time.perf_counter() - t_back:.3f} s after the master returned "
@@ -106,7 +100,7 @@ def test_master_paused_and_resumed(rig: FaultRig, work: list[Any]) -> None:
         client.discard("while-open")
     finally:
         rig.master.resume()
-    took = recovers(rig, work)
+    took = rig.assert_recovers(work, RECOVERY_BOUND_S)
     assert not client.breaker.is_open
     answers = ask_blocking(rig, client, work, "resumed-")
     assert [a.hit_length for a in answers] == [rig.truth(r.num_tokens, r.block_hashes) for r in work]
@@ -129,7 +123,7 @@ def test_slow_store_around_the_deadline(rig: FaultRig, work: list[Any]) -> None:
     finally:
         rig.server.set_delay(False)
         patient.close()
-    recovers(rig, work)
+    rig.assert_recovers(work, RECOVERY_BOUND_S)
     # Replies the slow store sent after the 100 ms deadline were dropped, never served to a later lookup.
     answers = ask_blocking(rig, rig.client, work, "after-")
     assert [a.hit_length for a in answers] == [rig.truth(r.num_tokens, r.block_hashes) for r in work]
@@ -159,4 +153,4 @@ def test_lookups_in_flight_across_a_master_pause_all_end(rig: FaultRig, work: li
     for rid in answered:
         client.discard(rid)
     assert client.pending == 0
-    recovers(rig, work)
+    rig.assert_recovers(work, RECOVERY_BOUND_S)

@@ -12,7 +12,8 @@ import os
 import threading
 import time
 import uuid
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import msgspec
 import pytest
@@ -20,16 +21,17 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mooncake_lookout.connector import protocol, upstream_wire
 from mooncake_lookout.connector.client import LookupClient
 from mooncake_lookout.connector.config import KEYS, ConfigError, LookupConfig
 from mooncake_lookout.connector.events import Outcome, OutcomeCounter
-from mooncake_lookout.connector.faults import ServerProcess
 from mooncake_lookout.connector.job import Answer
-from mooncake_lookout.connector.pipelined import PipelinedTransport
-from mooncake_lookout.connector.prefix_index import PrefixIndex
-from mooncake_lookout.connector.upstream import UpstreamTransport
-from mooncake_lookout.connector.workload import unique_hashes
+from mooncake_lookout.connector.rigs.server_process import ServerProcess
+from mooncake_lookout.connector.rigs.workload import unique_hashes
+from mooncake_lookout.connector.server.prefix_index import PrefixIndex
+from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
+from mooncake_lookout.connector.transport.upstream import UpstreamTransport
+from mooncake_lookout.connector.wire import pipelined as protocol
+from mooncake_lookout.connector.wire import upstream as upstream_wire
 
 BLOCK = 16
 REPLY_BOUND_MS = 5000

@@ -29,19 +29,21 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 from mooncake_lookout.connector.client import LookupClient
 from mooncake_lookout.connector.config import LookupConfig
-from mooncake_lookout.connector.events import OutcomeCounter, Outcome
-from mooncake_lookout.connector.mooncake_master import find_master_binary, open_writer_store
-from mooncake_lookout.connector.pipelined import PipelinedTransport
-from mooncake_lookout.connector.prefix_index import PrefixIndex, StoreError
-from mooncake_lookout.connector.processes import die_with_parent, stop_process, wait_for_line
-from mooncake_lookout.connector.workload import unique_hashes
+from mooncake_lookout.connector.events import Outcome, OutcomeCounter
+from mooncake_lookout.connector.rigs.master import find_master_binary
+from mooncake_lookout.connector.rigs.processes import die_with_parent, stop_process
+from mooncake_lookout.connector.rigs.workload import unique_hashes
+from mooncake_lookout.connector.server.prefix_index import PrefixIndex, StoreError
+from mooncake_lookout.connector.server.store import open_writer_store
+from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
 
 import chart  # helm/tools/chart.py (conftest puts helm/tools on sys.path)
 
@@ -56,9 +58,9 @@ START_BOUND_S = 30.0
 # master address. Prints its address, serves until stdin closes.
 SERVER = r"""
 import sys
-from mooncake_lookout.connector.mooncake_master import open_store
-from mooncake_lookout.connector.prefix_index import PrefixIndex
 from mooncake_lookout.connector.server import LookupServer
+from mooncake_lookout.connector.server.prefix_index import PrefixIndex
+from mooncake_lookout.connector.server.store import open_store
 master, namespace, block = sys.argv[1], sys.argv[2], int(sys.argv[3])
 store = open_store(master, rpc_timeout_ms=3000)
 with LookupServer(PrefixIndex(store, block, namespace=namespace), "tcp://127.0.0.1:0", workers=2) as server:
@@ -144,9 +146,9 @@ class Processes:
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, name: str, argv: list[str], **kw: Any) -> subprocess.Popen:
-        log = open(self.logs / f"{name}.log", "wb")
-        proc = subprocess.Popen(argv, stdout=kw.pop("stdout", log), stderr=log, preexec_fn=die_with_parent(), **kw)
-        log.close()
+        with open(self.logs / f"{name}.log", "wb") as log:  # the child keeps its own descriptor
+            proc = subprocess.Popen(argv, stdout=kw.pop("stdout", log), stderr=log, preexec_fn=die_with_parent(),
+                                    **kw)
         self.procs[name] = proc
         return proc
 
@@ -169,6 +171,23 @@ def processes(tmp_path: Path) -> Iterator[Processes]:
         yield procs
     finally:
         procs.stop_all()
+
+
+def first_line(proc: subprocess.Popen, prefix: str, bound_s: float) -> str:
+    """The first stdout line of ``proc`` that starts with ``prefix``, read on a thread, waited for ``bound_s``."""
+    found: list[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            if line.startswith(prefix):
+                found.append(line.strip())
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(bound_s)
+    assert found, f"no {prefix!r} line from pid {proc.pid} within {bound_s} s (exit code {proc.poll()})"
+    return found[0]
 
 
 def health(metrics: int) -> dict[str, Any] | None:
@@ -195,7 +214,7 @@ def test_failover_under_lookups_through_our_client(processes: Processes, tmp_pat
                                *master_args(ha["master"], ha["etcd_service"], endpoint, free_port(), metrics)])
         masters[name] = metrics
         if name == "master-a":  # the first one leads: wait until it serves before the standby starts
-            poll(lambda: (health(metrics) or {}).get("service_ready") is True, START_BOUND_S, "serving leader")
+            poll(lambda m=metrics: (health(m) or {}).get("service_ready") is True, START_BOUND_S, "serving leader")
     poll(lambda: (health(masters["master-b"]) or {}).get("role") == "standby", START_BOUND_S, "standby")
 
     # Store clients take the chart's address form, pointed at this etcd, with the engines' cluster id.
@@ -216,7 +235,7 @@ def _run_failover(processes: Processes, masters: dict[str, int], writer: Any, ad
     server = processes.start("lookup-server", [sys.executable, "-c", SERVER, address, namespace, str(BLOCK)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                              env={**os.environ, "MC_LOG_LEVEL": "ERROR"})
-    server_address = wait_for_line(server, "ADDRESS ", bound_s=START_BOUND_S).split(" ", 1)[1]
+    server_address = first_line(server, "ADDRESS ", START_BOUND_S).split(" ", 1)[1]
     # The breaker stays closed (a very high threshold), so every answer shows the store's state.
     config = LookupConfig(lookup_async=True, lookup_transport="pipelined", lookup_timeout_ms=1000.0,
                           lookup_breaker_failures=10_000)

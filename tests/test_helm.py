@@ -18,10 +18,11 @@ import pytest
 
 from mooncake_lookout.connector.config import KEYS, LookupConfig
 
+import chart  # helm/tools/chart.py (conftest puts helm/tools on sys.path)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-import chart  # helm/tools/chart.py (conftest puts helm/tools on sys.path)
 KUBE_VERSIONS = ("1.29.0", "1.32.0")
 VALUE_SETS = {"default": None, **chart.ci_value_sets()}
 CRD_GROUP = "monitoring.coreos.com/v1"
@@ -107,7 +108,8 @@ def test_rendered_objects_pass_kubernetes_strict_validation(rendered, name, vers
         try:
             kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
-            pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} invalid for {version}: {exc.message} at {list(exc.path)}")
+            name = f"{obj['kind']}/{obj['metadata']['name']}"
+            pytest.fail(f"{name} invalid for {version}: {exc.message} at {list(exc.path)}")
         checked += 1
     assert checked >= 5
 
@@ -332,8 +334,9 @@ def test_images_default_to_the_chart_app_version(rendered):
 
     app_version = yaml.safe_load((chart.CHART / "Chart.yaml").read_text())["appVersion"]
     objects = rendered[("default", "1.32.0")]
-    images = {c["image"] for o in chart.find(objects, "Deployment") for c in o["spec"]["template"]["spec"]["containers"]}
-    assert images == {f"ghcr.io/mooncake-lookout/engine:{app_version}", f"ghcr.io/mooncake-lookout/master:{app_version}"}
+    images = {c["image"] for o in chart.find(objects, "Deployment")
+              for c in o["spec"]["template"]["spec"]["containers"]}
+    assert images == {f"ghcr.io/mooncake-lookout/{part}:{app_version}" for part in ("engine", "master")}
     custom = chart.template(sets={"engine.image.tag": '"custom"'})
     assert engine_container(custom)["image"].endswith(":custom")
 

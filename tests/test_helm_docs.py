@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = {name: ROOT / "docs" / name for name in ("helm.md", "runbook.md", "dashboards.md")}
 TOP_KEYS = tuple(chart.load_values())
 # A backticked dotted name starting with a top-level values key, e.g. `monitoring.prometheusRule.runbookBaseUrl`.
-KEY = re.compile(r"`((?:%s)(?:\.[A-Za-z0-9_]+)+)(?:=[^`]*)?`" % "|".join(TOP_KEYS + ("alerts",)))
+KEY = re.compile(r"`((?:{})(?:\.[A-Za-z0-9_]+)+)(?:=[^`]*)?`".format("|".join(TOP_KEYS + ("alerts",))))
 
 
 def values_has(values: dict[str, Any], dotted: str) -> bool:

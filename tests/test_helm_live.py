@@ -18,9 +18,9 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from http.server import ThreadingHTTPServer
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -28,12 +28,11 @@ from prometheus_client.exposition import MetricsHandler
 
 from mooncake_lookout.metrics.catalogue import CATALOGUE, MetricSpec
 
+import chart  # helm/tools/chart.py (conftest puts helm/tools on sys.path)
+
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 CHECK_SCRIPT = ROOT / "helm" / "mooncake-lookout" / "files" / "helm-test" / "check_lookout.py"
-
-
-import chart  # helm/tools/chart.py (conftest puts helm/tools on sys.path)
 
 
 def free_port() -> int:
@@ -232,8 +231,8 @@ SINGLE_MASTER_SETS = sorted(n for n, p in chart.ci_value_sets().items()
 def test_every_sets_master_starts_with_the_lease_the_engines_are_told(name, lease):
     rpc, metrics = free_port(), free_port()
     path = chart.ci_value_sets().get(name)
-    objects = chart.template([path] if path else [], sets={"master.rpcPort": str(rpc), "master.metricsPort": str(metrics),
-                                                           "master.defaultKvLeaseTtl": json.dumps(lease)})
+    objects = chart.template([path] if path else [], sets={
+        "master.rpcPort": str(rpc), "master.metricsPort": str(metrics), "master.defaultKvLeaseTtl": json.dumps(lease)})
     (container,) = chart.one(objects, "Deployment", "-master")["spec"]["template"]["spec"]["containers"]
     args = [a.replace("=0.0.0.0", "=127.0.0.1") for a in container["args"]]
     told = chart.one(objects, "Deployment", "-engine")["spec"]["template"]["metadata"]["annotations"][
@@ -242,7 +241,7 @@ def test_every_sets_master_starts_with_the_lease_the_engines_are_told(name, leas
     try:
         assert proc.poll() is None, f"mooncake_master rejected the chart's flags {args}: {''.join(log)[-2000:]}"
         # The master states the lease it runs with (in ms) when it starts.
-        line = poll(lambda: next((l for l in list(log) if "default_kv_lease_ttl=" in l), None),
+        line = poll(lambda: next((x for x in list(log) if "default_kv_lease_ttl=" in x), None),
                     what="the master's start-up line")
         running = int(line.split("default_kv_lease_ttl=", 1)[1].split(",", 1)[0])
         assert running == int(told), (lease, running, told)
@@ -255,7 +254,7 @@ def test_every_sets_master_starts_with_the_lease_the_engines_are_told(name, leas
 def master_capacity(metrics_port: int) -> int:
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as reply:
         text = reply.read().decode()
-    return int(float(next(l.split()[1] for l in text.splitlines() if l.startswith("master_total_capacity_bytes"))))
+    return int(float(next(x.split()[1] for x in text.splitlines() if x.startswith("master_total_capacity_bytes"))))
 
 
 def test_the_charts_store_pod_lends_its_segment_to_the_master(master):

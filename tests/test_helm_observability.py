@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
+import chart  # helm/tools/chart.py (conftest puts helm/tools on sys.path)
+
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARDS = ROOT / "dashboards"
 RULES = DASHBOARDS / "alerts.rules.yaml"
@@ -21,9 +23,6 @@ CRD_API = "monitoring.coreos.com/v1"
 OPERATOR_SCRAPE_PROTOCOLS = {"PrometheusProto", "OpenMetricsText0.0.1", "OpenMetricsText1.0.0", "PrometheusText0.0.4",
                              "PrometheusText1.0.0"}
 DURATION = re.compile(r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$")
-
-
-import chart  # helm/tools/chart.py (conftest puts helm/tools on sys.path)
 
 
 def with_crds(values_files=(), sets=None) -> list[dict[str, Any]]:

@@ -206,7 +206,8 @@ def test_model_cache_pvc_is_created_kept_and_mounted_at_hf_home():
     objects = render("async-budget")
     pvc = chart.one(objects, "PersistentVolumeClaim", "-model-cache")
     assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
-    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"] and pvc["spec"]["resources"]["requests"]["storage"] == "200Gi"
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert pvc["spec"]["resources"]["requests"]["storage"] == "200Gi"
     c = container(objects, "Deployment", "-engine")
     mount = next(m for m in c["volumeMounts"] if m["name"] == "model-cache")
     assert mount["mountPath"] == env_of(c)["HF_HOME"]

@@ -15,14 +15,15 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mooncake_lookout.connector.cli.docs import extract, render_values_table
 from mooncake_lookout.connector.config import KEYS, ConfigError, LookupConfig
+
+import chart  # helm/tools/chart.py (conftest puts helm/tools on sys.path)
+import values_schema  # helm/tools
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-import chart  # helm/tools/chart.py (conftest puts helm/tools on sys.path)
-import values_schema  # helm/tools
-import values_table  # helm/tools
 SCHEMA = json.loads((chart.CHART / "values.schema.json").read_text())
 LOOKUP_SCHEMA = SCHEMA["properties"]["engine"]["properties"]["connector"]["properties"]["lookup"]
 
@@ -166,10 +167,9 @@ def test_the_same_values_render_when_correct():
 
 
 def test_docs_values_table_is_generated_from_the_schema():
-    doc = values_table.DOC.read_text()
-    assert values_table.START in doc and values_table.END in doc
-    assert values_table.main(["--check"]) == 0, "run: python helm/tools/values_table.py"
-    rows = doc.split(values_table.START, 1)[1].split(values_table.END, 1)[0]
+    rows = extract((ROOT / "docs" / "helm.md").read_text(), "values-table")
+    assert rows is not None, "docs/helm.md has no values-table block"
+    assert rows == render_values_table(SCHEMA), "run: python -m mooncake_lookout.connector.cli.docs"
     for key in KEYS:
         assert f"`engine.connector.lookup.{key.name}`" in rows
 

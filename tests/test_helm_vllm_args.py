@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+import chart  # helm/tools/chart.py (conftest puts helm/tools on sys.path)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # Runs in a child process: argv lists on stdin (JSON), the parsed fields on stdout (JSON).
@@ -49,7 +51,6 @@ print("RESULT " + json.dumps(out))
 """
 
 
-import chart  # helm/tools/chart.py (conftest puts helm/tools on sys.path)
 VALUE_SETS = {"default": None, **chart.ci_value_sets()}
 
 
@@ -68,7 +69,7 @@ def parsed() -> dict[str, dict]:
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", VLLM_LOGGING_LEVEL="ERROR")
     done = subprocess.run([sys.executable, "-c", PARSE], input=json.dumps(argvs), capture_output=True, text=True,
                           env=env, timeout=240)
-    lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, f"vllm serve rejected the chart's arguments:\n{done.stderr[-3000:]}"
     return json.loads(lines[0].removeprefix("RESULT "))
 

@@ -6,7 +6,7 @@ For each of the default values, every ``ci/*-values.yaml`` and the default value
 root, as CI does) does what vLLM's worker and scheduler do with the rendered ``--kv-transfer-config``:
 
 - the worker starts upstream's real ``LookupKeyServer`` where vLLM binds it and, with ``lookup_transport:
-  pipelined``, our ``LookupServer`` beside it (``_serve_pipelined``, at the address our config derives);
+  pipelined``, our ``LookupServer`` beside it (``serve_pipelined``, at the address our config derives);
 - the scheduler builds its ``LookupClient`` from the same config (``LookupClient.from_vllm_config``) and must get
   a full hit for a prefix stored in a real Mooncake master.
 
@@ -42,7 +42,8 @@ CHILD_BOUND_S = 240  # a cold vLLM import in the child takes ~10 s; each set's l
 VALUE_SETS = {"default": ([], {}),
               # A long release name: pods of up to 63 characters name the IPC paths.
               "long-release-pipelined": ([], {"engine.connector.lookup.lookup_transport": '"pipelined"',
-                                              "fullnameOverride": '"' + "l" * 56 + '"'}), **{name: ([path], {}) for name, path in chart.ci_value_sets().items()},
+                                              "fullnameOverride": '"' + "l" * 56 + '"'}),
+              **{name: ([path], {}) for name, path in chart.ci_value_sets().items()},
               "default-pipelined": ([], {"engine.connector.lookup.lookup_transport": '"pipelined"'}),
               # What ci/pipelined-values.yaml set before: a socket directly in /tmp. The worker must refuse it.
               "ipc-in-shared-tmp": ([], {"engine.connector.lookup.lookup_transport": '"pipelined"',
@@ -56,11 +57,11 @@ import json, os, socket, sys, tempfile, time, uuid
 jobs = json.load(sys.stdin)
 from mooncake_lookout.connector.client import LookupClient
 from mooncake_lookout.connector.config import LookupConfig
-from mooncake_lookout.connector.mooncake_master import open_writer_store
-from mooncake_lookout.connector.prefix_index import PrefixIndex
-from mooncake_lookout.connector.upstream_server import UpstreamLookupServer, lookup_vllm_config
-from mooncake_lookout.connector.vllm_connector import _serve_pipelined
-from mooncake_lookout.connector.workload import unique_hashes
+from mooncake_lookout.connector.rigs.vllm_lookup_server import UpstreamLookupServer, lookup_vllm_config
+from mooncake_lookout.connector.rigs.workload import unique_hashes
+from mooncake_lookout.connector.server.prefix_index import PrefixIndex
+from mooncake_lookout.connector.server.store import open_writer_store
+from mooncake_lookout.connector.server.worker_backend import serve_pipelined
 store = open_writer_store(jobs.pop("__master__"))
 block = 16
 out = {}
@@ -82,7 +83,7 @@ for name, job in jobs.items():
         upstream.worker.lookup_server = upstream.server
         result = {"ok": True, "transport": config.lookup_transport, "upstream": upstream.address}
         if config.lookup_transport == "pipelined":
-            ours = _serve_pipelined(cfg, config, upstream.worker)
+            ours = serve_pipelined(cfg, config, upstream.worker)
             stops.append(ours.close)
             result["ours"] = ours.address
         client = LookupClient.from_vllm_config(cfg)  # what the scheduler builds from the same config

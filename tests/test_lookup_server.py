@@ -10,27 +10,28 @@ import os
 import random
 import signal
 import stat
-import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import msgspec
 import pytest
 import zmq
 from prometheus_client import CollectorRegistry
 
-from mooncake_lookout.connector.processes import wait_for_line
-from mooncake_lookout.connector import protocol as p
-from mooncake_lookout.connector import upstream_wire
-from mooncake_lookout.connector.mooncake_master import EmbeddedMaster, free_port, open_store
-from mooncake_lookout.connector.prefix_index import PrefixIndex
-from mooncake_lookout.metrics.server_sink import ServerMetrics
+from mooncake_lookout.connector.rigs.master import EmbeddedMaster, free_port
+from mooncake_lookout.connector.rigs.processes import ChildProcess
+from mooncake_lookout.connector.rigs.workload import shared_prefix_workload
 from mooncake_lookout.connector.server import LookupServer, ServerObserver
-from mooncake_lookout.connector.workload import shared_prefix_workload
+from mooncake_lookout.connector.server.prefix_index import PrefixIndex
+from mooncake_lookout.connector.server.store import open_store
+from mooncake_lookout.connector.wire import pipelined as p
+from mooncake_lookout.connector.wire import upstream as upstream_wire
 from mooncake_lookout.metrics import catalogue
+from mooncake_lookout.metrics.server_sink import ServerMetrics
 
 BLOCK = 16
 
@@ -375,13 +376,12 @@ def test_prometheus_observer_reports_catalogue_metrics(ctx: zmq.Context, filler:
 
 def test_serve_command_with_embedded_master_answers_and_serves_metrics(tmp_path: Any) -> None:
     metrics_port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mooncake_lookout.connector.serve_cli", "--embedded-master", "--tcp-port", "0",
-         "--metrics-port", str(metrics_port), "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    serve = ChildProcess(
+        [sys.executable, "-m", "mooncake_lookout.connector.cli.serve", "--embedded-master", "--tcp-port", "0",
+         "--metrics-port", str(metrics_port), "--log-level", "WARNING"], name="serve")
     ctx = zmq.Context()
     try:
-        address = wait_for_line(proc, "listening on ").split()[-1]
+        address = serve.wait_line("listening on ", 60.0).split()[-1]
         assert address.startswith("tcp://127.0.0.1:")  # TCP on request, loopback by default
         sock = _dealer(ctx, address)
         sock.send_multipart(p.encode_lookup(5, 129, [b"h" * 32] * 8))
@@ -390,14 +390,10 @@ def test_serve_command_with_embedded_master_answers_and_serves_metrics(tmp_path:
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as resp:
             text = resp.read().decode()
         assert f'{catalogue.SERVER_REQUESTS.name}_total{{status="ok"}} 1.0' in text
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0  # stops cleanly, its embedded master with it
+        serve.proc.send_signal(signal.SIGTERM)
+        assert serve.wait_exit(30) == 0  # stops cleanly, its embedded master with it
     finally:
         ctx.destroy(linger=0)
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-        assert proc.stdout is not None
-        proc.stdout.close()
+        serve.kill()
 
 

@@ -8,25 +8,29 @@ PrometheusSink served by the exporter, and Debian's ``prometheus`` on 127.0.0.1 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from mooncake_lookout.connector.client import LookupClient
 from mooncake_lookout.connector.config import LookupConfig
-from mooncake_lookout.connector.mooncake_master import free_port
-from mooncake_lookout.connector.pipelined import PipelinedTransport
+from mooncake_lookout.connector.rigs.master import free_port
+from mooncake_lookout.connector.rigs.processes import stop_process
 from mooncake_lookout.connector.server import LookupServer
+from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
 from mooncake_lookout.metrics import catalogue as cat
 from mooncake_lookout.metrics.exporter import serve_metrics
 from mooncake_lookout.metrics.prometheus_sink import PrometheusSink, info_labels
 from mooncake_lookout.metrics.server_sink import ServerMetrics
+
 
 class Prometheus:
     """Debian's prometheus on 127.0.0.1, scraping one target every second; stopped by pid.
@@ -79,7 +83,7 @@ class Prometheus:
         return out
 
     def wait_until(self, check: Any, timeout_s: float = 60.0) -> None:
-        """Poll ``check()`` until it returns True (not merely truthy), within ``timeout_s``; else show its last return."""
+        """Poll ``check()`` until it returns True (not merely truthy) within ``timeout_s``, else show its last value."""
         deadline = time.monotonic() + timeout_s
         last: Any = None
         while time.monotonic() < deadline:
@@ -99,12 +103,7 @@ class Prometheus:
         raise AssertionError(f"condition not met in {timeout_s} s; last: {last!r}; targets: {targets}")
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+        stop_process(self.proc, signal.SIGTERM, timeout_s=10.0)
 
 
 @pytest.fixture

@@ -11,14 +11,8 @@ import urllib.request
 
 import pytest
 
-from mooncake_lookout.connector.mooncake_master import (
-    EmbeddedMaster,
-    MasterError,
-    find_master_binary,
-    free_port,
-    open_store,
-    open_writer_store,
-)
+from mooncake_lookout.connector.rigs.master import EmbeddedMaster, MasterError, find_master_binary, free_port
+from mooncake_lookout.connector.server.store import open_store, open_writer_store
 
 
 def _gone(pid: int, timeout_s: float = 5.0) -> bool:
@@ -132,7 +126,7 @@ def test_open_store_without_master_fails_clearly() -> None:
 
 def test_master_dies_with_a_killed_parent() -> None:
     # A CLI or test process killed outright (no atexit) must not leave its master behind.
-    code = ("from mooncake_lookout.connector.mooncake_master import EmbeddedMaster\n"
+    code = ("from mooncake_lookout.connector.rigs.master import EmbeddedMaster\n"
             "import sys, time\n"
             "m = EmbeddedMaster().start(); print(m.pid, flush=True); time.sleep(60)\n")
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)

@@ -5,30 +5,31 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import pytest
 import zmq
 
-from mooncake_lookout.connector.processes import wait_for_line
-from mooncake_lookout.connector import protocol as p
-from mooncake_lookout.connector.burst import burst
+from mooncake_lookout.connector.bench.burst import burst
 from mooncake_lookout.connector.client import LookupClient
 from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.events import LookupRecord, NullObserver, Outcome
 from mooncake_lookout.connector.job import LookupJob
-from mooncake_lookout.connector.mooncake_master import EmbeddedMaster, open_store, open_writer_store
-from mooncake_lookout.connector.pipelined import PipelinedTransport
-from mooncake_lookout.connector.prefix_index import PrefixIndex
+from mooncake_lookout.connector.rigs.master import EmbeddedMaster
+from mooncake_lookout.connector.rigs.processes import ChildProcess
+from mooncake_lookout.connector.rigs.workload import shared_prefix_workload
 from mooncake_lookout.connector.server import LookupServer
-from mooncake_lookout.connector.transport import TransportClosed
-from mooncake_lookout.connector.transports import make_transport
-from mooncake_lookout.connector.workload import shared_prefix_workload
+from mooncake_lookout.connector.server.prefix_index import PrefixIndex
+from mooncake_lookout.connector.server.store import open_store, open_writer_store
+from mooncake_lookout.connector.transport import make_transport
+from mooncake_lookout.connector.transport.base import TransportClosed
+from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
+from mooncake_lookout.connector.wire import pipelined as p
 
 BLOCK = 16
 
@@ -175,26 +176,17 @@ def test_silent_server_rebuilds_the_socket_and_a_new_server_is_reached(
         transport.close()
 
 
-def _start_serve(master: EmbeddedMaster, address: str, namespace: str) -> subprocess.Popen[str]:
+def _start_serve(master: EmbeddedMaster, address: str, namespace: str) -> ChildProcess:
     """``mooncake-lookout serve`` as its own process; returns once it prints its address."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mooncake_lookout.connector.serve_cli", "--master", master.rpc_address,
-         "--address", address, "--namespace", namespace, "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    serve = ChildProcess(
+        [sys.executable, "-m", "mooncake_lookout.connector.cli.serve", "--master", master.rpc_address,
+         "--address", address, "--namespace", namespace, "--log-level", "WARNING"], name="serve")
     try:
-        assert wait_for_line(proc, "listening on ").split()[-1] == address
+        assert serve.wait_line("listening on ", 60.0).split()[-1] == address
     except BaseException:
-        _kill(proc)
+        serve.kill()
         raise
-    return proc
-
-
-def _kill(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=10)
-    if proc.stdout is not None:
-        proc.stdout.close()
+    return serve
 
 
 def test_server_killed_and_restarted_with_lookups_in_flight(private_master: EmbeddedMaster, private_dir: Path,
@@ -212,7 +204,7 @@ def test_server_killed_and_restarted_with_lookups_in_flight(private_master: Embe
             first = [_job(r.num_tokens, r.block_hashes, 0.5) for r in reqs]
             for job in first:
                 transport.submit(job)
-            _kill(server)  # SIGKILL with lookups in flight
+            server.kill()  # SIGKILL with lookups in flight
         finally:
             master.resume()
         _wait_all(first)  # every one ends by its deadline, none hangs
@@ -226,12 +218,12 @@ def test_server_killed_and_restarted_with_lookups_in_flight(private_master: Embe
         assert {j.answer.outcome for j in second} <= {Outcome.HIT, Outcome.MISS}  # type: ignore[union-attr]
     finally:
         transport.close()
-        server.send_signal(signal.SIGTERM)
+        server.proc.send_signal(signal.SIGTERM)
         try:
-            server.wait(timeout=15)
+            server.wait_exit(15)
         finally:
-            _kill(server)
-    assert server.returncode == 0  # the restarted server stopped cleanly on SIGTERM
+            server.kill()
+    assert server.proc.returncode == 0  # the restarted server stopped cleanly on SIGTERM
 
 
 def test_store_error_is_an_error_with_its_reason(private_master: EmbeddedMaster) -> None:

@@ -9,8 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mooncake_lookout.connector.job import MISS, LookupResult
-from mooncake_lookout.connector.mooncake_master import EmbeddedMaster, open_store
-from mooncake_lookout.connector.prefix_index import PrefixIndex, StoreError
+from mooncake_lookout.connector.rigs.master import EmbeddedMaster
+from mooncake_lookout.connector.server.prefix_index import PrefixIndex, StoreError
+from mooncake_lookout.connector.server.store import open_store
 
 BS = 16
 

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from mooncake_lookout.connector.cli.docs import end_marker, extract, render_metrics_table, splice, start_marker
 from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.events import LookupRecord, ObserverSet, Outcome
 from mooncake_lookout.metrics import catalogue as cat
 from mooncake_lookout.metrics.exporter import serve_metrics
-from mooncake_lookout.metrics.markdown import END, START, extract_block, render_table, replace_block
 from mooncake_lookout.metrics.prometheus_sink import PrometheusSink, info_labels
 from mooncake_lookout.metrics.server_sink import ServerMetrics
 
@@ -96,6 +96,17 @@ def test_every_event_lands_in_its_family(registry: CollectorRegistry) -> None:
     assert _value(registry, cat.INFO, transport="pipelined", lookup_async="true", mode="async",
                   lookup_timeout_ms="100", lookup_max_pending="1024") == 1
     assert _value(registry, cat.MAX_PENDING) == 1024
+
+
+def test_every_outcome_is_a_label_and_is_counted(registry: CollectorRegistry) -> None:
+    # The catalogue's outcome labels are read from events.Outcome: an outcome added there is counted here
+    # (and by vLLM's stats pipeline) without a second list to keep in step.
+    assert cat.OUTCOMES == tuple(o.value for o in Outcome)
+    obs = ObserverSet([PrometheusSink(registry=registry)])
+    for outcome in Outcome:
+        _lifecycle(obs, f"req-{outcome.value}", outcome)
+    for outcome in Outcome:
+        assert _value(registry, cat.REQUESTS, "_total", outcome=outcome.value) == 1, outcome
 
 
 def test_pending_follows_submit_and_end(registry: CollectorRegistry) -> None:
@@ -209,27 +220,27 @@ def test_endpoint_serves_every_family_and_passes_promtool(registry: CollectorReg
 
 
 def test_endpoint_bind_error_names_the_address(registry: CollectorRegistry) -> None:
-    with serve_metrics(0, registry=registry) as first:
-        with pytest.raises(OSError, match=f"port={first.port}"):
-            serve_metrics(first.port, registry=registry)
+    with serve_metrics(0, registry=registry) as first, pytest.raises(OSError, match=f"port={first.port}"):
+        serve_metrics(first.port, registry=registry)
 
 
 def test_markdown_table_lists_every_family() -> None:
-    table = render_table()
+    table = render_metrics_table()
     for spec in cat.CATALOGUE:
         assert f"`{spec.sample_names[0] if spec.kind == 'counter' else spec.name}`" in table
-    doc = f"intro\n{START}\nold\n{END}\nrest\n"
-    assert extract_block(replace_block(doc, table)) == table
-    assert replace_block(doc, table).endswith(f"{END}\nrest\n")
+    start, end = start_marker("metrics-table"), end_marker("metrics-table")
+    doc = f"intro\n{start}\nold\n{end}\nrest\n"
+    assert extract(splice(doc, "metrics-table", table), "metrics-table") == table
+    assert splice(doc, "metrics-table", table).endswith(f"{end}\nrest\n")
 
 
 def test_docs_table_matches_catalogue() -> None:
-    block = extract_block((ROOT / "docs" / "metrics.md").read_text())
-    assert block == render_table(), "run: python -m mooncake_lookout.metrics.markdown docs/metrics.md"
+    block = extract((ROOT / "docs" / "metrics.md").read_text(), "metrics-table")
+    assert block == render_metrics_table(), "run: python -m mooncake_lookout.connector.cli.docs"
 
 
 def test_overhead_bench_runs_every_configuration() -> None:
-    from mooncake_lookout.metrics.overhead_bench import configurations, measure, render
+    from mooncake_lookout.metrics.sink_cost import configurations, measure, render
 
     results = measure(lifecycles=200, repeats=1)
     assert set(results) == set(configurations())
@@ -239,7 +250,7 @@ def test_overhead_bench_runs_every_configuration() -> None:
 
 def test_readme_table_matches_catalogue() -> None:
     readme = (ROOT / "README.md").read_text()
-    block = extract_block(readme)
-    assert block is not None, (f"README.md has no {START} ... {END} block; add the markers, then fill it with: "
-                               "python -m mooncake_lookout.metrics.markdown README.md")
-    assert block == render_table(), "run: python -m mooncake_lookout.metrics.markdown README.md"
+    block = extract(readme, "metrics-table")
+    assert block is not None, ("README.md has no metrics-table block; add the markers, then fill it with: "
+                               "python -m mooncake_lookout.connector.cli.docs")
+    assert block == render_metrics_table(), "run: python -m mooncake_lookout.connector.cli.docs"

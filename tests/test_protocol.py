@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mooncake_lookout.connector import protocol as p
 from mooncake_lookout.connector.events import Outcome
 from mooncake_lookout.connector.job import LookupResult, TailKeyBoundary
+from mooncake_lookout.connector.wire import pipelined as p
 
 hashes_st = st.lists(st.binary(min_size=1, max_size=64), max_size=40)
 

@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterator
 from contextlib import ExitStack
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 from mooncake_lookout.connector.events import NullObserver, Outcome, OutcomeCounter
-from mooncake_lookout.connector.scheduler_driver import BLOCK_SIZE, SchedulerDriver, make_vllm_config
+from mooncake_lookout.connector.rigs.scheduler_driver import BLOCK_SIZE, SchedulerDriver, make_vllm_config
+from mooncake_lookout.connector.transport.names import TRANSPORTS
 
 _ports = itertools.count(1000)
-TRANSPORTS = ("upstream", "pipelined")
 
 
 class CallTimer(NullObserver):
@@ -46,7 +47,7 @@ class Stack:
             extra["lookup_server_address"] = server.address
         self.vllm_config = make_vllm_config(extra)
         if transport == "upstream":
-            from mooncake_lookout.connector.upstream_server import UpstreamLookupServer
+            from mooncake_lookout.connector.rigs.vllm_lookup_server import UpstreamLookupServer
 
             server = UpstreamLookupServer(index, self.vllm_config).start()
             self._exit.callback(server.stop)
@@ -74,8 +75,8 @@ class Stack:
 def private_index(private_master) -> Iterator[Any]:
     """An index over a master of the test's own (free to pause). Ask for it BEFORE ``stack_factory``: the
     servers must stop before this store client closes (closing it under a running call crashes Mooncake)."""
-    from mooncake_lookout.connector.mooncake_master import open_store
-    from mooncake_lookout.connector.prefix_index import PrefixIndex
+    from mooncake_lookout.connector.server.prefix_index import PrefixIndex
+    from mooncake_lookout.connector.server.store import open_store
 
     store = open_store(private_master.rpc_address, rpc_timeout_ms=30_000)
     yield PrefixIndex(store, BLOCK_SIZE, namespace="private")

@@ -7,28 +7,27 @@ from __future__ import annotations
 
 import os
 import re
-import queue
-import threading
 import stat
-import subprocess
 import sys
-import time
 import urllib.request
 import uuid
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import msgspec
 import pytest
 import zmq
 from prometheus_client import CollectorRegistry, generate_latest
 
-from mooncake_lookout.connector import protocol, upstream_wire
 from mooncake_lookout.connector.client import LookupClient
 from mooncake_lookout.connector.config import LookupConfig
-from mooncake_lookout.connector.faults import ServerProcess
-from mooncake_lookout.connector.pipelined import PipelinedTransport
-from mooncake_lookout.connector.server import HARD_MAX_MESSAGE_BYTES
-from mooncake_lookout.connector.workload import unique_hashes
+from mooncake_lookout.connector.rigs.processes import ChildProcess
+from mooncake_lookout.connector.rigs.server_process import ServerProcess
+from mooncake_lookout.connector.rigs.workload import unique_hashes
+from mooncake_lookout.connector.server.loop import HARD_MAX_MESSAGE_BYTES
+from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
+from mooncake_lookout.connector.wire import pipelined as protocol
+from mooncake_lookout.connector.wire import upstream as upstream_wire
 from mooncake_lookout.metrics import catalogue
 from mooncake_lookout.metrics.prometheus_sink import PrometheusSink
 
@@ -36,42 +35,29 @@ _enc = msgspec.msgpack.Encoder()
 
 
 class Serve:
-    """``python -m mooncake_lookout.connector.serve_cli`` as a child process, killed by pid."""
+    """``python -m mooncake_lookout.connector.cli.serve`` as a child process, killed by pid."""
 
     def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "mooncake_lookout.connector.serve_cli", *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=dict(os.environ, MC_LOG_LEVEL="ERROR"), start_new_session=True)
-        self.lines: list[str] = []
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
+        self.child = ChildProcess([sys.executable, "-m", "mooncake_lookout.connector.cli.serve", *args],
+                                  env=dict(os.environ, MC_LOG_LEVEL="ERROR"), name="serve")
+        self.proc = self.child.proc
+        self._next = 0
+
+    @property
+    def lines(self) -> list[str]:
+        return self.child.lines()
 
     def wait_for(self, prefix: str, timeout_s: float = 60.0) -> str:
-        """Wait (bounded) for an output line starting with ``prefix``; its rest."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            assert left > 0, "no such line in time:\n" + "\n".join(self.lines)
-            try:
-                line = self._queue.get(timeout=left)
-            except queue.Empty:
-                continue
-            if line is None:
-                raise AssertionError("serve exited:\n" + "\n".join(self.lines))
-            self.lines.append(line.rstrip())
-            if line.startswith(prefix):
-                return line[len(prefix):].strip()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._queue.put(line)
-        self._queue.put(None)
+        """Wait (bounded) for an output line starting with ``prefix``, past the last one found; its rest."""
+        try:
+            number, line = self.child.find_line(prefix, timeout_s, after=self._next)
+        except RuntimeError as e:
+            raise AssertionError(f"serve exited: {e}") from None
+        self._next = number + 1
+        return line[len(prefix):].strip()
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
+        self.child.kill()
 
 
 @pytest.fixture

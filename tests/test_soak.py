@@ -1,5 +1,5 @@
 """A shortened soak with random real faults (the README's figures come from a 100,000-lookup run:
-``python -m mooncake_lookout.connector.soak --lookups 100000``; see docs/reliability.md).
+``python -m mooncake_lookout.connector.rigs.soak --lookups 100000``; see docs/reliability.md).
 
 Every fault kind is injected at least once (the fault sequence is seeded): server killed / hung, master
 killed / paused, injected store delay, reset in flight, abort storm, reused ids. Checked: no wrong or stale
@@ -10,9 +10,56 @@ fault, memory growth under 10 MB.
 
 from __future__ import annotations
 
+import ast
+import os
+import subprocess
+import sys
+
 import pytest
 
-from mooncake_lookout.connector.soak import FAULTS, run_soak
+from mooncake_lookout.connector.rigs.soak import FAULTS, SoakPlan, run_soak
+
+# What a soak with this plan would do, round by round: requests asked, fault carried, the ids a reused id
+# switches to, which calls block. Printed by a fresh interpreter, so a per-process hash salt would show.
+PLAN_SCRIPT = """
+import sys
+from mooncake_lookout.connector.rigs.soak import SoakPlan
+plan = SoakPlan(int(sys.argv[1]), work_size=640, fault_rate=0.3, master_kills=1)
+blocks = [plan.stored_blocks() for _ in range(640)]
+for rnd in range(1, 201):
+    batch, fault = plan.batch(64), plan.fault()
+    swaps = [plan.replacement() for _ in range(32)] if fault == "id_reuse" else []
+    blocking = [i for i in range(64) if plan.blocking(f"r{rnd}-{i}")]
+    print(repr((batch, fault, swaps, blocking)))
+print(repr(blocks))
+"""
+
+
+def _plan_in_a_fresh_process(seed: int, hash_seed: str) -> str:
+    out = subprocess.run([sys.executable, "-c", PLAN_SCRIPT, str(seed)], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, PYTHONHASHSEED=hash_seed))
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_a_seed_reproduces_every_choice_of_a_soak_in_any_process() -> None:
+    first, second = _plan_in_a_fresh_process(3, "1"), _plan_in_a_fresh_process(3, "2")
+    assert first == second, "the same --seed made another fault/choice sequence"
+    assert first != _plan_in_a_fresh_process(4, "1"), "the seed does not choose anything"
+    rounds = [ast.literal_eval(line) for line in first.splitlines()[:-1]]
+    faults = [fault for _, fault, _, _ in rounds]
+    assert set(FAULTS) <= set(faults) and faults.count("master_kill") == 1, faults
+    blocking = sum(len(b) for *_, b in rounds)
+    assert 0.05 < blocking / (64 * len(rounds)) < 0.2, "about one call in eight blocks"
+
+
+def test_the_plan_is_the_same_twice_in_one_process() -> None:
+    def draw(seed: int) -> list[object]:
+        plan = SoakPlan(seed, work_size=100, fault_rate=0.5, master_kills=0)
+        return [(plan.batch(8), plan.fault(), plan.blocking(f"r{i}-0")) for i in range(100)]
+
+    assert draw(7) == draw(7)
+    assert "master_kill" not in {f for _, f, _ in draw(7)}, "master_kills=0 still crashed the master"
 
 
 @pytest.mark.slow

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Iterator
 
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -18,8 +18,16 @@ from opentelemetry.trace import StatusCode
 from mooncake_lookout.connector.events import LookupRecord, ObserverSet, Outcome
 from mooncake_lookout.metrics import tracing
 from mooncake_lookout.metrics.tracing import (
-    ATTR_DEFERRED_STEPS, ATTR_HIT_TOKENS, ATTR_OUTCOME, ATTR_REQUEST_ID, ATTR_TOKENS, ATTR_TRANSPORT,
-    SPAN_LOOKUP, SPAN_RPC, TracingObserver, hash_request_id,
+    ATTR_DEFERRED_STEPS,
+    ATTR_HIT_TOKENS,
+    ATTR_OUTCOME,
+    ATTR_REQUEST_ID,
+    ATTR_TOKENS,
+    ATTR_TRANSPORT,
+    SPAN_LOOKUP,
+    SPAN_RPC,
+    TracingObserver,
+    hash_request_id,
 )
 
 PARENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -285,8 +293,8 @@ def test_real_client_and_server_spans(spans, prefix_index, make_workload) -> Non
     """The real LookupClient, pipelined transport thread and LookupServer over a real Mooncake store."""
     from mooncake_lookout.connector.client import LookupClient
     from mooncake_lookout.connector.config import LookupConfig
-    from mooncake_lookout.connector.pipelined import PipelinedTransport
     from mooncake_lookout.connector.server import LookupServer
+    from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
 
     observer, exporter = spans
     requests = make_workload(6, prefix_blocks=2, unique_blocks=1, num_prefixes=2)
@@ -324,7 +332,7 @@ def test_real_client_and_server_spans(spans, prefix_index, make_workload) -> Non
 def test_vllm_request_trace_headers_parent_the_lookup_span(clean_otel_env: pytest.MonkeyPatch, prefix_index,
                                                            rpc_base_path) -> None:  # type: ignore[no-untyped-def]
     """vLLM's real scheduler with the connector: a request's ``trace_headers`` become its lookup span's parent."""
-    from mooncake_lookout.connector.scheduler_driver import SchedulerDriver, make_vllm_config
+    from mooncake_lookout.connector.rigs.scheduler_driver import SchedulerDriver, make_vllm_config
     from mooncake_lookout.connector.server import LookupServer
 
     receiver = _OtlpReceiver()

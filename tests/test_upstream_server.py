@@ -9,15 +9,16 @@ import time
 import pytest
 import zmq
 
-from mooncake_lookout.connector.mooncake_master import EmbeddedMaster, open_store
-from mooncake_lookout.connector.prefix_index import PrefixIndex
+from mooncake_lookout.connector.rigs.master import EmbeddedMaster
+from mooncake_lookout.connector.server.prefix_index import PrefixIndex
+from mooncake_lookout.connector.server.store import open_store
 
 vllm_worker = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker")
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.protocol import (  # noqa: E402
     decode_lookup_response,
 )
 
-from mooncake_lookout.connector.upstream_server import UpstreamLookupServer  # noqa: E402
+from mooncake_lookout.connector.rigs.vllm_lookup_server import UpstreamLookupServer  # noqa: E402
 
 BS = 16
 TIMEOUT_MS = 5000

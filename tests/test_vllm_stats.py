@@ -6,20 +6,24 @@ import pickle
 import re
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY, generate_latest
-
-from mooncake_lookout.connector.events import LookupRecord, ObserverSet, Outcome
-from mooncake_lookout.metrics import catalogue as cat
-from mooncake_lookout.metrics.vllm_stats import (
-    STATS_KEY, LookoutLookupStats, LookoutPromMetrics, LookupStatsCollector,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.metrics import MooncakeStoreConnectorStats
 from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+from mooncake_lookout.connector.events import LookupRecord, ObserverSet, Outcome
+from mooncake_lookout.metrics import catalogue as cat
+from mooncake_lookout.metrics.vllm_stats import (
+    STATS_KEY,
+    LookoutLookupStats,
+    LookoutPromMetrics,
+    LookupStatsCollector,
+)
 
 
 def _lifecycle(obs: Any, req_id: str, outcome: Outcome, *, tokens: int = 64, hit: int = 0,
@@ -118,7 +122,7 @@ def test_aggregates_with_upstream_worker_stats_either_way(ours_first: bool) -> N
 
 
 def _vllm_config(extra: dict[str, Any]) -> Any:
-    from mooncake_lookout.connector.scheduler_driver import make_vllm_config
+    from mooncake_lookout.connector.rigs.scheduler_driver import make_vllm_config
 
     return make_vllm_config(extra)
 
@@ -189,9 +193,10 @@ def lookup_server(prefix_index: Any) -> Iterator[Any]:
 
 def test_scheduler_stats_reach_vllm_prometheus_logger(prefix_index: Any, lookup_server: Any,
                                                       promtool: Any) -> None:
-    from mooncake_lookout.connector.scheduler_driver import SchedulerDriver, make_vllm_config
     from vllm.v1.metrics.loggers import PrometheusStatLogger
     from vllm.v1.outputs import ModelRunnerOutput
+
+    from mooncake_lookout.connector.rigs.scheduler_driver import SchedulerDriver, make_vllm_config
 
     # load_async=False (upstream's key): hits load within the step; no worker here reports async loads done.
     cfg = make_vllm_config({"lookup_async": True, "lookup_transport": "pipelined", "load_async": False,

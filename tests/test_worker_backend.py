@@ -13,10 +13,10 @@ from types import SimpleNamespace
 
 from mooncake_lookout.connector.client import LookupClient
 from mooncake_lookout.connector.config import LookupConfig
-from mooncake_lookout.connector.pipelined import PipelinedTransport
+from mooncake_lookout.connector.rigs.vllm_lookup_server import PrefixIndexStoreWorker
 from mooncake_lookout.connector.server import LookupServer
-from mooncake_lookout.connector.upstream_server import PrefixIndexStoreWorker
-from mooncake_lookout.connector.vllm_connector import WorkerBackend, _serve_pipelined
+from mooncake_lookout.connector.server.worker_backend import WorkerBackend, serve_pipelined
+from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
 
 BLOCK = 16
 
@@ -53,9 +53,9 @@ def test_pipelined_server_starts_only_on_the_rank_that_serves_lookups(prefix_ind
     worker = PrefixIndexStoreWorker(prefix_index)
     # Upstream starts its LookupKeyServer on one rank only (worker.lookup_server is None elsewhere).
     other_rank = SimpleNamespace(lookup_server=None, lookup=worker.lookup)
-    assert _serve_pipelined(lookup_vllm_config, config, other_rank) is None
+    assert serve_pipelined(lookup_vllm_config, config, other_rank) is None
     worker.lookup_server = object()  # this rank runs upstream's server, so it runs ours too
-    server = _serve_pipelined(lookup_vllm_config, config, worker)
+    server = serve_pipelined(lookup_vllm_config, config, worker)
     try:
         assert server is not None and server.address == config.lookup_server_address
     finally:

@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from mooncake_lookout.connector.workload import (
+from mooncake_lookout.connector.rigs.workload import (
     HASH_BYTES,
     ROOT_HASH,
     chain_hashes,

@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import yaml
 
@@ -113,5 +114,6 @@ def load_values() -> dict[str, Any]:
     return yaml.safe_load((CHART / "values.yaml").read_text())
 
 
-__all__ = ["CHART", "CI_VALUES", "HelmError", "MONITORING_API", "ROOT", "ci_value_sets", "find", "helm_binary", "load_values", "one",
+__all__ = ["CHART", "CI_VALUES", "MONITORING_API", "ROOT", "HelmError", "ci_value_sets", "find", "helm_binary",
+           "load_values", "one",
            "render_notes", "run_helm", "template"]

@@ -20,7 +20,8 @@ from typing import Any
 
 import yaml
 
-from mooncake_lookout.connector.config import KEYS, TRANSPORTS
+from mooncake_lookout.connector.config import KEYS
+from mooncake_lookout.connector.transport.names import TRANSPORTS
 
 CHART = Path(__file__).resolve().parents[1] / "mooncake-lookout"
 VALUES = CHART / "values.yaml"
@@ -126,7 +127,8 @@ def shape() -> dict[str, Any]:
         extraVolumes=LIST,
         extraVolumeMounts=LIST,
         resources=FREE_MAP,
-        shm=obj(enabled={"type": "boolean"}, sizeLimit={"type": "string", "pattern": "^[0-9]+(\\.[0-9]+)?([KMGT]i?)?$"}),
+        shm=obj(enabled={"type": "boolean"},
+                sizeLimit={"type": "string", "pattern": "^[0-9]+(\\.[0-9]+)?([KMGT]i?)?$"}),
         connector=obj(
             name={"type": "string", "minLength": 1},
             kvRole={"type": "string", "enum": ["kv_both", "kv_producer", "kv_consumer"]},

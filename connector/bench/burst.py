@@ -1,0 +1,111 @@
+"""Bench scenario (b): a burst of N new requests, time until every answer is ready.
+
+Why: vLLM's lookup channel carries one lookup at a time, so a burst of N new requests needs about N round
+trips before the last answer, while one ``batch_is_exist`` of all their keys takes a few milliseconds.
+:func:`burst` measures the scheduler's view: every request is asked once (``non_block=True``) in the
+first step, then each pending one is asked again once per ``step_s`` until all have an answer. Any client
+with vLLM's ``lookup(req_id, num_tokens, block_hashes, non_block)`` call fits (ours, or vLLM's
+``LookupKeyClient``).
+
+:func:`run` does it for upstream's client and ours with each transport, the same requests, the same
+server process and store. Our client gets a deadline long enough that no answer in the burst is a timeout
+(checked: the hit tokens of every client must agree). Ours runs with metrics and spans on; one more row
+without spans shows what the span started on each submit costs a burst.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from mooncake_lookout.connector.bench.call import CLIENTS, NO_SPANS, make_client
+from mooncake_lookout.connector.bench.rig import Rig
+from mooncake_lookout.connector.rigs.workload import WorkloadRequest, shared_prefix_workload
+
+
+class PollingClient(Protocol):
+    """vLLM's lookup client calls, as the scheduler uses them."""
+
+    def lookup(self, req_id: str, num_tokens: int, block_hashes: list[bytes], non_block: bool = False) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class BurstResult:
+    """What one burst took: wall time until the last answer, scheduler steps, answers and total hit tokens."""
+
+    n: int
+    seconds: float
+    steps: int
+    hit_tokens: int
+
+
+def burst(client_factory: Callable[[], PollingClient], n: int = 256, step_s: float = 0.001, *,
+          requests: Sequence[WorkloadRequest] | None = None, timeout_s: float = 30.0) -> BurstResult:
+    """Ask ``n`` lookups in one step, then poll the pending ones once per ``step_s``; time until all answered.
+
+    ``requests`` defaults to ``n`` requests of 8 blocks with 4 shared ones (``shared_prefix_workload``).
+    """
+    reqs = list(requests) if requests is not None else shared_prefix_workload(n)
+    client = client_factory()
+    try:
+        pending = {r.req_id: r for r in reqs}
+        hit_tokens = 0
+        steps = 0
+        t0 = time.perf_counter()
+        while pending:
+            for req_id, r in list(pending.items()):
+                result = client.lookup(req_id, r.num_tokens, list(r.block_hashes), non_block=True)
+                if result is not None:
+                    hit_tokens += result.hit_length
+                    del pending[req_id]
+            if not pending:
+                break
+            if time.perf_counter() - t0 > timeout_s:
+                raise TimeoutError(f"{len(pending)} of {len(reqs)} lookups unanswered after {timeout_s} s")
+            steps += 1
+            time.sleep(step_s)
+        return BurstResult(len(reqs), time.perf_counter() - t0, steps, hit_tokens)
+    finally:
+        client.close()
+
+
+class _Closing:
+    """Gives a client the ``close`` that :func:`burst` calls, with a safe close for upstream's."""
+
+    def __init__(self, client: Any, close: Any) -> None:
+        self.client, self._close = client, close
+
+    def lookup(self, *args: Any, **kwargs: Any) -> Any:
+        return self.client.lookup(*args, **kwargs)
+
+    def close(self) -> None:
+        self._close()
+
+
+def run(rig: Rig, requests: Sequence[WorkloadRequest], *, repeats: int = 3, step_s: float = 0.001) -> dict[str, Any]:
+    """Scenario (b): per client, the median of ``repeats`` bursts (seconds, steps, hit tokens)."""
+    n = len(requests)
+    out: dict[str, Any] = {"n": n}
+    # The last row is a diagnosis, not a target: ours pipelined with metrics but no spans.
+    for name in (*CLIENTS, NO_SPANS):
+        runs = []
+        for i in range(repeats):
+            tagged = [type(r)(f"b{i}-{r.req_id}", r.num_tokens, r.block_hashes) for r in requests]
+
+            def factory(name: str = name) -> _Closing:
+                spans = name != NO_SPANS
+                return _Closing(*make_client(rig, name if spans else "ours/pipelined", spans=spans,
+                                             timeout_ms=30_000.0, max_pending=max(1024, 2 * n)))
+
+            runs.append(burst(factory, n, step_s, requests=tagged, timeout_s=60.0))
+        out[name] = {"seconds": statistics.median(r.seconds for r in runs), "all_seconds": [r.seconds for r in runs],
+                     "steps": statistics.median(r.steps for r in runs), "hit_tokens": runs[0].hit_tokens}
+    return out
+
+
+__all__ = ["BurstResult", "PollingClient", "burst", "run"]

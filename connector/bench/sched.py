@@ -1,0 +1,259 @@
+"""vLLM's real scheduler fed a shared-prefix workload: blocked time and deferrals per lookup mode.
+
+Why: a lookup mode is judged by what the scheduler pays (time inside ``get_num_new_matched_tokens``)
+and what requests pay (steps deferred, time from arrival to answer). This runs vLLM's real V1
+``Scheduler`` (:class:`SchedulerDriver`) with either upstream's ``MooncakeStoreConnector`` or ours,
+and measures both connectors the same way: a :class:`CallProbe` wraps the scheduler's call to the
+connector (a measuring wrapper around the real method, not a fake). Requests arrive right before a
+step, as vLLM's engine core reads its input queue right before ``schedule()``; each step then sleeps
+``model_step_s`` in place of the model's forward pass. Used by ``bench`` scenario (c) and by ``demo``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mooncake_lookout.connector.bench.rig import Rig, close_upstream_client, summary_us, token_prompts
+from mooncake_lookout.connector.events import LookupObserver, LookupRecord, OutcomeCounter
+from mooncake_lookout.connector.transport.names import PIPELINED
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One way of running lookups: whose connector, which transport, which ``lookup_*`` settings."""
+
+    label: str
+    ours: bool
+    transport: str = PIPELINED
+    config: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        """The ``lookup_*`` settings as a dict."""
+        return dict(self.config)
+
+
+def mode(label: str, ours: bool, transport: str = PIPELINED, **config: Any) -> Mode:
+    """Shorthand for :class:`Mode` with ``lookup_*`` keyword settings."""
+    return Mode(label, ours, transport, tuple(sorted(config.items())))
+
+
+class CallProbe:
+    """Wraps a connector's ``get_num_new_matched_tokens`` on one instance: times each call, counts ``None``."""
+
+    def __init__(self, connector: Any) -> None:
+        self._inner = connector.get_num_new_matched_tokens
+        connector.get_num_new_matched_tokens = self
+        self.calls: list[float] = []
+        self.step_blocked = 0.0
+        self.deferrals: dict[str, int] = defaultdict(int)
+        self.answered_at: dict[str, float] = {}
+
+    def __call__(self, request: Any, num_computed_tokens: int) -> Any:
+        t0 = time.perf_counter()
+        result = self._inner(request, num_computed_tokens)
+        t1 = time.perf_counter()
+        self.calls.append(t1 - t0)
+        self.step_blocked += t1 - t0
+        req_id = request.request_id
+        if result[0] is None:
+            self.deferrals[req_id] += 1
+        else:
+            self.answered_at.setdefault(req_id, t1)
+        return result
+
+
+@dataclass
+class SchedRun:
+    """What one mode's run looked like, from the scheduler's side."""
+
+    label: str
+    requests: int = 0
+    finished: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+    calls: list[float] = field(default_factory=list)  # seconds inside each lookup call
+    blocked_per_step: list[float] = field(default_factory=list)
+    deferred_steps: list[int] = field(default_factory=list)  # per answered request
+    answer_delay: list[float] = field(default_factory=list)  # arrival -> answer used, seconds
+    prompt_tokens: int = 0
+    computed_tokens: int = 0  # tokens not recomputed at admission (vLLM's own cache + the store)
+    store_queried_tokens: int = 0
+    store_hit_tokens: int = 0
+    outcomes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def reuse_ratio(self) -> float:
+        """Prompt tokens not recomputed at admission / prompt tokens."""
+        return self.computed_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def store_hit_ratio(self) -> float | None:
+        """Store hit tokens / tokens asked (our connector only; upstream reports no such figure)."""
+        return self.store_hit_tokens / self.store_queried_tokens if self.store_queried_tokens else None
+
+    @property
+    def mean_deferred_steps(self) -> float:
+        """Mean scheduler steps a request was deferred before its answer."""
+        return sum(self.deferred_steps) / len(self.deferred_steps) if self.deferred_steps else 0.0
+
+    @property
+    def requests_deferred(self) -> float:
+        """Share of answered requests deferred at least once."""
+        return sum(1 for d in self.deferred_steps if d) / len(self.deferred_steps) if self.deferred_steps else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """Figures for JSON (microseconds for times)."""
+        return {
+            "label": self.label, "requests": self.requests, "finished": self.finished, "steps": self.steps,
+            "seconds": self.seconds, "call_us": summary_us(self.calls),
+            "blocked_per_step_us": summary_us(self.blocked_per_step),
+            "mean_deferred_steps": self.mean_deferred_steps, "requests_deferred": self.requests_deferred,
+            "answer_delay_us": summary_us(self.answer_delay), "reuse_ratio": self.reuse_ratio,
+            "store_hit_ratio": self.store_hit_ratio, "outcomes": self.outcomes,
+        }
+
+
+class Workload:
+    """Token prompts with shared prefixes, made on demand; the store is filled once, before any run.
+
+    Prompts of even index are cached whole in the store, odd ones only up to their shared prefix,
+    so the store answers a mix of long and short hits.
+    """
+
+    def __init__(self, *, prompt_blocks: int = 8, prefix_blocks: int = 4, num_prefixes: int = 4,
+                 seed: int = 0, fill: int = 4096) -> None:
+        self.prompt_blocks = prompt_blocks
+        self.prefix_blocks = min(prefix_blocks, prompt_blocks)
+        self.num_prefixes = num_prefixes
+        self.seed = seed
+        self.fill = fill
+        self._filled = False
+        self._cache: list[tuple[str, list[int]]] = []
+
+    def prompts(self, n: int) -> list[tuple[str, list[int]]]:
+        """The first ``n`` (req_id, prompt) pairs."""
+        if len(self._cache) < n:
+            self._cache = token_prompts(max(n, 2 * len(self._cache)), prefix_blocks=self.prefix_blocks,
+                                        unique_blocks=self.prompt_blocks - self.prefix_blocks,
+                                        num_prefixes=self.num_prefixes, seed=self.seed)
+        return self._cache[:n]
+
+    def request(self, k: int) -> tuple[str, list[int]]:
+        """Request number ``k``: a fresh id, the prompt of ``k`` modulo the filled prompts (so hits recur)."""
+        _, prompt = self.prompts(self.fill)[k % self.fill]
+        return f"q{k}", prompt
+
+    def fill_store(self, rig: Rig, hash_of: Callable[[list[int]], list[bytes]]) -> int:
+        """Put the cached blocks of the first ``fill`` prompts into the store (once); returns keys written."""
+        if self._filled:
+            return 0
+        lists = []
+        for i, (_, prompt) in enumerate(self.prompts(self.fill)):
+            hashes = hash_of(prompt)
+            lists.append(hashes if i % 2 == 0 else hashes[:self.prefix_blocks])
+        self._filled = True
+        return rig.index.store_prefixes(lists)
+
+
+def run_mode(rig: Rig, workload: Workload, m: Mode, *, arrivals_per_step: int = 4, steps: int | None = 200,
+             seconds: float | None = None, model_step_s: float = 0.0015, first_request: int = 0,
+             observers: Iterable[LookupObserver] = (), on_step: Callable[[SchedRun], None] | None = None,
+             should_stop: Callable[[], bool] = lambda: False, drain_s: float = 5.0) -> SchedRun:
+    """Run vLLM's scheduler in mode ``m``: arrivals for ``steps`` steps (or ``seconds``), then drain.
+
+    ``first_request`` offsets into the workload, so runs can use fresh request ids. ``observers`` are
+    attached to our client (ignored for upstream's). ``on_step`` is called after each step (progress).
+    """
+    from mooncake_lookout.connector.rigs.scheduler_driver import (
+        SchedulerDriver,
+        make_vllm_config,
+    )
+
+    extra = rig.scheduler_extra(m.ours, m.transport, **m.extra)
+    if m.ours:
+        config = make_vllm_config(extra)
+    else:
+        config = make_vllm_config(extra, connector="MooncakeStoreConnector", module_path=None)
+    driver = SchedulerDriver(config, num_blocks=16_384, model_step_s=model_step_s)
+    run = SchedRun(m.label)
+    counter = TokenTally()
+    try:
+        workload.fill_store(rig, driver.block_hashes)
+        if m.ours:
+            client = driver.connector.lookup_client
+            client.observers.add(counter)
+            for obs in observers:
+                client.observers.add(obs)
+        probe = CallProbe(driver.connector)
+        arrived: dict[str, float] = {}
+        prompt_len: dict[str, int] = {}
+        budget = steps if steps is not None else 1 << 30
+        limit = seconds if seconds is not None else float("inf")
+        next_req = first_request
+        t0 = time.perf_counter()
+        while run.steps < budget and time.perf_counter() - t0 < limit and not should_stop():
+            batch = [workload.request(k) for k in range(next_req, next_req + arrivals_per_step)]
+            next_req += arrivals_per_step
+            for req_id, prompt in batch:
+                driver.add(driver.make_request(req_id, prompt))
+                arrived[req_id] = time.perf_counter()
+                prompt_len[req_id] = len(prompt)
+            _step(driver, probe, run)
+            if on_step is not None:
+                on_step(run)
+        drain_end = time.perf_counter() + drain_s
+        while driver.scheduler.get_num_unfinished_requests() and time.perf_counter() < drain_end \
+                and not should_stop():
+            _step(driver, probe, run)
+        done = set(driver.stats.finished)
+        left = [r for r in arrived if r not in done]
+        if left:
+            driver.abort(left)
+        run.seconds = time.perf_counter() - t0
+        run.requests = len(arrived)
+        run.finished = len(driver.stats.finished)
+        run.calls = probe.calls
+        for req_id, t_add in arrived.items():
+            if req_id in probe.answered_at:
+                run.deferred_steps.append(probe.deferrals.get(req_id, 0))
+                run.answer_delay.append(probe.answered_at[req_id] - t_add)
+        for req_id, computed in driver.stats.computed_at_admission.items():
+            if req_id in prompt_len:
+                run.prompt_tokens += prompt_len[req_id]
+                run.computed_tokens += computed
+        run.outcomes = {o.value: n for o, n in counter.outcomes.items() if n}
+        run.store_queried_tokens, run.store_hit_tokens = counter.queried_tokens, counter.hit_tokens
+    finally:
+        if not m.ours:  # upstream's connector never closes its lookup client on the scheduler side
+            close_upstream_client(driver.connector.connector_scheduler.client)
+        driver.close()
+    return run
+
+
+class TokenTally(OutcomeCounter):
+    """An :class:`OutcomeCounter` that also adds up tokens asked about and tokens found."""
+
+    def __init__(self) -> None:
+        super().__init__(keep=0)
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+
+    def consumed(self, rec: LookupRecord) -> None:
+        super().consumed(rec)
+        self.queried_tokens += rec.num_tokens
+        self.hit_tokens += rec.hit_tokens
+
+
+def _step(driver: Any, probe: CallProbe, run: SchedRun) -> None:
+    probe.step_blocked = 0.0
+    driver.step()
+    run.steps += 1
+    run.blocked_per_step.append(probe.step_blocked)
+
+
+__all__ = ["CallProbe", "Mode", "SchedRun", "TokenTally", "Workload", "mode", "run_mode"]

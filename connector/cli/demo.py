@@ -1,0 +1,217 @@
+"""``mooncake-lookout demo``: the lookup path at work on any machine, in well under a minute (most of it starting vLLM).
+
+It starts a real Mooncake master on 127.0.0.1, fills it with cached prefixes of a shared-prefix
+workload, starts the lookup servers (in a child process, as in vLLM's worker) and vLLM's real
+scheduler with our connector, and feeds it requests for a bounded time in three modes, one after
+another on the same master and workload: ``sync`` (the scheduler blocks for each lookup), ``async``
+(it defers until the answer is there) and ``budget`` (async, waiting up to ``--budget-us`` for an
+almost-ready answer). Lookups start at admission. ``/metrics`` is served on 127.0.0.1 meanwhile; the
+run ends with a table of the three modes. ``--keep-running`` leaves ``/metrics`` up for a local
+Prometheus/Grafana until Ctrl-C. Every process it starts is stopped by pid on exit, Ctrl-C included.
+
+Exit codes: 0 when the demo finished (also when ``--keep-running`` is ended by SIGINT/SIGTERM),
+130 when interrupted before the table, 2 when it could not start (the message says why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+DURATIONS = {"small": 4.5, "default": 9.0}
+MODE_NAMES = ("sync", "async", "budget")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds of load in all (split across the three modes): a number, ``small`` (4.5) or ``default`` (9)."""
+    if text in DURATIONS:
+        return DURATIONS[text]
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--duration must be seconds or one of {sorted(DURATIONS)}, got {text!r}") from None
+    if not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"--duration must be > 0 and <= 3600 seconds, got {text!r}")
+    return value
+
+
+def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``demo`` subcommand; returns its parser."""
+    p = subparsers.add_parser("demo", help="run the lookup path on a real master and vLLM's scheduler",
+                              description=__doc__.split("\n\n")[1])
+    p.add_argument("--duration", type=parse_duration, default=DURATIONS["default"], metavar="SECONDS",
+                   help="seconds of load in all, split across the three modes; or 'small' (4.5) / 'default' (9)")
+    p.add_argument("--port", type=int, default=0, help="port of /metrics on 127.0.0.1 (default 0: any free port)")
+    p.add_argument("--rate", type=int, default=4, metavar="N", help="new requests per scheduler step (default 4)")
+    p.add_argument("--prompt-blocks", type=int, default=8, metavar="N",
+                   help="blocks of 16 tokens per prompt (default 8; half of them a shared prefix)")
+    p.add_argument("--prefixes", type=int, default=4, metavar="N", help="distinct shared prefixes (default 4)")
+    p.add_argument("--prompts", "--requests", dest="prompts", type=int, default=2048, metavar="N",
+                   help="distinct prompts, cached in the store before the run (default 2048)")
+    p.add_argument("--budget-us", type=int, default=200, metavar="US",
+                   help="lookup_wait_us of the budget mode (default 200)")
+    p.add_argument("--model-step-ms", type=float, default=1.5, metavar="MS",
+                   help="time a model step takes, between two scheduler steps (default 1.5)")
+    p.add_argument("--keep-running", action="store_true",
+                   help="after the table, keep /metrics up until Ctrl-C (for a local Prometheus/Grafana)")
+    p.set_defaults(func=run_demo)
+    return p
+
+
+class Progress:
+    """One line of progress: rewritten in place on a terminal, a plain line per second otherwise."""
+
+    def __init__(self, out: TextIO, every_s: float = 1.0) -> None:
+        self.out = out
+        self.tty = out.isatty()
+        self.every_s = every_s
+        self._last = 0.0
+
+    def show(self, text: str, force: bool = False) -> None:
+        """Print ``text`` if a second has passed since the last line (or ``force``)."""
+        now = time.monotonic()
+        if not force and now - self._last < self.every_s:
+            return
+        self._last = now
+        if self.tty:
+            self.out.write("\r" + text.ljust(100))
+        else:
+            self.out.write(text + "\n")
+        self.out.flush()
+
+    def done(self) -> None:
+        """End the in-place line."""
+        if self.tty:
+            self.out.write("\n")
+            self.out.flush()
+
+
+def demo_modes(budget_us: int) -> list[Any]:
+    """The three modes the demo compares, all with our client and the pipelined transport."""
+    from mooncake_lookout.connector.bench.sched import mode
+
+    return [mode("sync", True, lookup_async=False),
+            mode("async", True, lookup_async=True),
+            mode("budget", True, lookup_async=True, lookup_wait_us=budget_us)]
+
+
+def format_table(runs: list[Any], budget_us: int) -> str:
+    """The demo's closing table: one row per mode."""
+    head = (f"{'mode':13} {'requests':>8} {'blocked/step':>12} {'call p99':>9} {'deferred/req':>12} "
+            f"{'lookup p50':>10} {'p90':>7} {'p99':>7} {'hit ratio':>9}")
+    lines = [head, f"{'':13} {'':>8} {'(us)':>12} {'(us)':>9} {'(steps)':>12} {'(ms)':>10} {'(ms)':>7} "
+                   f"{'(ms)':>7} {'(store)':>9}"]
+    for r in runs:
+        d = r.as_dict()
+        delay = d["answer_delay_us"]
+        ratio = r.store_hit_ratio
+        label = r.label + (f" {budget_us}us" if r.label == "budget" else "")
+        lines.append(f"{label:13} {r.requests:8d} {d['blocked_per_step_us'].get('mean', 0):12.1f} "
+                     f"{d['call_us'].get('p99', 0):9.1f} {r.mean_deferred_steps:12.2f} "
+                     f"{delay.get('p50', 0) / 1e3:10.2f} {delay.get('p90', 0) / 1e3:7.2f} "
+                     f"{delay.get('p99', 0) / 1e3:7.2f} {(ratio if ratio is not None else 0):9.2f}")
+    lines.append("blocked/step: time per scheduler step inside lookup calls; deferred/req: steps a request "
+                 "waited for its answer; lookup: arrival to answer used.")
+    return "\n".join(lines)
+
+
+def _install_stop_handlers(stop: threading.Event) -> Callable[[], None]:
+    """SIGINT/SIGTERM set ``stop`` (work ends at the next step; finally blocks clean up); returns a restorer."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in saved:
+        signal.signal(sig, lambda *_: stop.set())
+
+    def restore() -> None:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+    return restore
+
+
+def run_demo(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """Run the demo, printing to ``out`` (default stdout); returns the exit code (see the module doc)."""
+    out = out if out is not None else sys.stdout
+    stop = threading.Event()
+    restore = _install_stop_handlers(stop)
+    try:
+        return _run(args, stop, out)
+    finally:
+        restore()
+
+
+def _run(args: argparse.Namespace, stop: threading.Event, out: TextIO) -> int:
+    from mooncake_lookout.connector.bench.rig import Rig
+    from mooncake_lookout.connector.bench.sched import Workload, run_mode
+    from mooncake_lookout.connector.config import LookupConfig
+    from mooncake_lookout.connector.events import BackgroundObserver
+    from mooncake_lookout.connector.rigs.master import MasterError
+    from mooncake_lookout.metrics.exporter import new_registry, serve_metrics
+    from mooncake_lookout.metrics.prometheus_sink import PrometheusSink
+
+    def say(text: str) -> None:
+        out.write(text + "\n")
+        out.flush()
+
+    registry = new_registry()
+    sink = PrometheusSink(registry=registry)
+    telemetry = BackgroundObserver(sink)  # the scheduler's thread only enqueues
+    try:
+        endpoint = serve_metrics(args.port, registry=registry)
+    except OSError as exc:
+        say(f"mooncake-lookout demo: cannot serve /metrics: {exc}")
+        return 2
+    try:
+        say(f"metrics: {endpoint.url}")
+        say("starting a Mooncake master, the lookup servers and vLLM's scheduler (first start ~15-30 s) ...")
+        try:
+            rig = Rig(namespace="demo").start()
+        except (MasterError, RuntimeError) as exc:
+            say(f"mooncake-lookout demo: {exc}")
+            return 2
+        runs = []
+        try:
+            say(f"Mooncake master pid {rig.master.pid} on {rig.master.rpc_address} "
+                f"(its metrics: {rig.master.metrics_url}/metrics); lookup servers pid {rig.servers.pid}")
+            workload = Workload(prompt_blocks=args.prompt_blocks, num_prefixes=args.prefixes, fill=args.prompts)
+            progress = Progress(out)
+            per_mode = args.duration / len(MODE_NAMES)
+            for m in demo_modes(args.budget_us):
+                if stop.is_set():
+                    break
+                sink.set_config(LookupConfig(lookup_transport=m.transport, **m.extra))
+                t0 = time.monotonic()
+
+                def on_step(run: Any, label: str = m.label, t0: float = t0) -> None:
+                    progress.show(f"[{label:6}] {time.monotonic() - t0:5.1f}/{per_mode:.1f} s  "
+                                  f"steps {run.steps:6d}  lookup time/step "
+                                  f"{1e6 * sum(run.blocked_per_step) / max(1, run.steps):8.1f} us")
+
+                runs.append(run_mode(rig, workload, m, arrivals_per_step=args.rate, steps=None, seconds=per_mode,
+                                     model_step_s=args.model_step_ms / 1e3, observers=[telemetry], on_step=on_step,
+                                     should_stop=stop.is_set, drain_s=2.0))
+                progress.show(f"[{m.label:6}] done: {runs[-1].requests} requests in {runs[-1].steps} steps",
+                              force=True)
+                progress.done()
+        finally:
+            rig.close()
+        if runs:
+            say("")
+            say(format_table(runs, args.budget_us))
+        if stop.is_set():
+            say("interrupted; every process stopped")
+            return 130
+        if args.keep_running:
+            say(f"/metrics stays up at {endpoint.url}; Ctrl-C to stop")
+            stop.wait()
+        return 0
+    finally:
+        endpoint.stop()
+
+
+__all__ = ["DURATIONS", "Progress", "add_demo_parser", "demo_modes", "format_table", "parse_duration", "run_demo"]

@@ -1,0 +1,254 @@
+"""Every generated block of the documentation, from its one source: ``python -m mooncake_lookout.connector.cli.docs``.
+
+A generated block sits between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` in a Markdown file;
+this module rewrites each (or, with ``--check``, lists the stale ones and exits 1):
+
+* ``config-table`` (README): the ``lookup_*`` keys, from :data:`~mooncake_lookout.connector.config.KEYS`;
+* ``metrics-table`` (README, docs/metrics.md): the metric families, from the catalogue;
+* ``values-table`` (docs/helm.md): the chart's values, from ``helm/mooncake-lookout/values.schema.json``;
+* ``package-graph`` (docs/architecture.md): a Mermaid picture of which package imports which, read from
+  the real imports of the source.
+
+Tests run ``--check``, so a block that drifts from its source fails the suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mooncake_lookout.connector.config import KEYS
+from mooncake_lookout.metrics import catalogue
+from mooncake_lookout.metrics.catalogue import CATALOGUE, SECONDS_BUCKETS, MetricSpec
+
+REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout (an editable install imports from it)
+VALUES_SCHEMA = Path("helm/mooncake-lookout/values.schema.json")
+_WHERE = {"client": "scheduler", "server": "lookup server"}
+
+
+def start_marker(name: str) -> str:
+    """The line that opens block ``name``."""
+    return f"<!-- {name}:start -->"
+
+
+def end_marker(name: str) -> str:
+    """The line that closes block ``name``."""
+    return f"<!-- {name}:end -->"
+
+
+def extract(text: str, name: str) -> str | None:
+    """The body of block ``name`` in ``text`` (without the markers), or None if ``text`` has no such block."""
+    start, end = text.find(start_marker(name)), text.find(end_marker(name))
+    if start < 0 or end < start:
+        return None
+    return text[start + len(start_marker(name)):end].strip("\n") + "\n"
+
+
+def splice(text: str, name: str, body: str) -> str:
+    """``text`` with the body of block ``name`` replaced by ``body``; ValueError if the markers are missing."""
+    start, end = text.find(start_marker(name)), text.find(end_marker(name))
+    if start < 0 or end < start:
+        raise ValueError(f"markers {start_marker(name)} / {end_marker(name)} not found")
+    return text[:start + len(start_marker(name))] + "\n" + body.strip("\n") + "\n" + text[end:]
+
+
+# -- the tables --------------------------------------------------------------------------------------------------
+
+def render_config_table() -> str:
+    """The README's configuration table: one row per ``lookup_*`` key."""
+    rows = ["| key | default | allowed | meaning |", "| --- | --- | --- | --- |"]
+    for k in KEYS:
+        default = "`" + (repr(k.default) if k.kind is str else str(k.default).lower() if k.kind is bool
+                         else str(k.default)) + "`"
+        allowed = k.rule or k.kind.__name__
+        rows.append(f"| `{k.name}` | {default} | {allowed} | {k.doc} |")
+    return "\n".join(rows) + "\n"
+
+
+def _buckets(spec: MetricSpec) -> str:
+    if not spec.buckets:
+        return ""
+    if spec.buckets == SECONDS_BUCKETS:
+        return "10 us .. 10 s"
+    return ", ".join(f"{b:g}" for b in spec.buckets)
+
+
+def render_metrics_table(specs: tuple[MetricSpec, ...] = CATALOGUE) -> str:
+    """The catalogue as a table: series name, type, labels, where measured, buckets, meaning."""
+    rows = ["| series | type | labels | measured in | buckets | meaning |", "| --- | --- | --- | --- | --- | --- |"]
+    for spec in specs:
+        series = spec.sample_names[0] if spec.kind == "counter" else spec.name
+        labels = ", ".join(spec.labels)
+        where = _WHERE.get(spec.side, spec.side)
+        rows.append(f"| `{series}` | {spec.kind} | {labels} | {where} | {_buckets(spec)} | {spec.help} |")
+    return "\n".join(rows) + "\n"
+
+
+def schema_leaves(schema: dict[str, Any], path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every documented key of a values schema: strict objects are walked into, anything else is a row."""
+    props = schema.get("properties")
+    if props is not None and schema.get("additionalProperties") is False:
+        for name, sub in props.items():
+            yield from schema_leaves(sub, f"{path}.{name}" if path else name)
+    elif path:
+        yield path, schema
+
+
+def _schema_kind(schema: dict[str, Any]) -> str:
+    """A short type description: type plus enum, limits or pattern."""
+    text = schema.get("type", "any")
+    if "enum" in schema:
+        return f"{text}: {' / '.join(v if isinstance(v, str) else json.dumps(v) for v in schema['enum'])}"
+    low = ("> " + str(schema["exclusiveMinimum"])) if "exclusiveMinimum" in schema else (
+        (">= " + str(schema["minimum"])) if "minimum" in schema else "")
+    high = ("<= " + str(schema["maximum"])) if "maximum" in schema else ""
+    limits = ", ".join(x for x in (low, high) if x)
+    return f"{text} ({limits})" if limits else str(text)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def render_values_table(schema: dict[str, Any]) -> str:
+    """The chart's values as a table (key, type, default, description), from its JSON schema."""
+    rows = ["| key | type | default | description |", "| --- | --- | --- | --- |"]
+    for path, sub in schema_leaves(schema):
+        default = json.dumps(sub.get("default"), separators=(", ", ": "))
+        rows.append(f"| `{path}` | {_cell(_schema_kind(sub))} | `{_cell(default)}` | "
+                    f"{_cell(sub.get('description', ''))} |")
+    return "\n".join(rows) + "\n"
+
+
+# -- the package graph -----------------------------------------------------------------------------------------
+
+SOURCES = {"mooncake_lookout.connector": Path(__file__).resolve().parents[1],
+           "mooncake_lookout.metrics": Path(catalogue.__file__).resolve().parent}
+SUB_PACKAGES = ("transport", "wire", "server", "cli", "bench", "rigs")
+# Third-party packages drawn in the picture: the contracts are about them (who may import them).
+EXTERNALS = ("vllm", "zmq", "mooncake", "prometheus_client", "opentelemetry")
+
+
+def _group(module: str) -> str | None:
+    """The node a module belongs to: ``connector`` (the runtime's top level), ``connector.X`` or ``metrics``."""
+    parts = module.split(".")
+    if parts[:2] == ["mooncake_lookout", "metrics"]:
+        return "metrics"
+    if parts[:2] == ["mooncake_lookout", "connector"]:
+        return f"connector.{parts[2]}" if len(parts) > 2 and parts[2] in SUB_PACKAGES else "connector"
+    return parts[0] if parts[0] in EXTERNALS else None
+
+
+def _modules(package: str, folder: Path) -> Iterator[tuple[str, Path]]:
+    for path in sorted(folder.rglob("*.py")):
+        rel = path.relative_to(folder).with_suffix("").parts
+        name = ".".join((package, *rel))
+        yield name.removesuffix(".__init__"), path
+
+
+def _imports(module: str, path: Path) -> Iterator[str]:
+    """Every module ``path`` imports, at the top or inside functions (relative imports resolved)."""
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
+                base = ".".join(parent + ([base] if base else []))
+            yield base
+            yield from (f"{base}.{alias.name}" for alias in node.names)  # ``from package import module``
+
+
+def package_edges(sources: dict[str, Path] | None = None) -> set[tuple[str, str]]:
+    """(importer, imported) pairs between the graph's nodes, read from the source files."""
+    edges: set[tuple[str, str]] = set()
+    for package, folder in (sources or SOURCES).items():
+        for module, path in _modules(package, folder):
+            source = _group(module)
+            for imported in _imports(module, path):
+                target = _group(imported)
+                if source is not None and target is not None and target != source:
+                    edges.add((source, target))
+    return edges
+
+
+def render_package_graph(edges: set[tuple[str, str]] | None = None) -> str:
+    """A Mermaid flowchart of :func:`package_edges`: tools on top, the runtime below, third parties at the bottom."""
+    edges = package_edges() if edges is None else edges
+    nodes = sorted({n for edge in edges for n in edge})
+    ident = {n: n.replace(".", "_") for n in nodes}
+    lines = ["```mermaid", "flowchart TD"]
+    for n in nodes:
+        label = "connector (runtime)" if n == "connector" else n
+        shape = f"{ident[n]}[({n})]" if n in EXTERNALS else f'{ident[n]}["{label}"]'
+        lines.append(f"    {shape}")
+    lines += [f"    {ident[a]} --> {ident[b]}" for a, b in sorted(edges)]
+    lines.append("```")
+    return "\n".join(lines) + "\n"
+
+
+# -- the blocks ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Block:
+    """One generated block: the file (relative to the repository root), the marker name and its renderer."""
+
+    path: str
+    name: str
+    render: Callable[[Path], str]  # the repository root -> the block's body
+
+
+BLOCKS: tuple[Block, ...] = (
+    Block("README.md", "config-table", lambda root: render_config_table()),
+    Block("README.md", "metrics-table", lambda root: render_metrics_table()),
+    Block("docs/metrics.md", "metrics-table", lambda root: render_metrics_table()),
+    Block("docs/helm.md", "values-table",
+          lambda root: render_values_table(json.loads((root / VALUES_SCHEMA).read_text()))),
+    Block("docs/architecture.md", "package-graph", lambda root: render_package_graph()),
+)
+
+
+def stale_blocks(root: Path = REPO_ROOT, *, write: bool = False) -> list[str]:
+    """``path: name`` of every block that differs from its source; ``write`` rewrites them."""
+    stale = []
+    for block in BLOCKS:
+        path = root / block.path
+        text = path.read_text()
+        body = block.render(root)
+        if extract(text, block.name) != body.strip("\n") + "\n":
+            stale.append(f"{block.path}: {block.name}")
+            if write:
+                path.write_text(splice(text, block.name, body))
+                text = path.read_text()
+    return stale
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Rewrite every generated block (or with ``--check`` only list the stale ones, exit 1 if any)."""
+    parser = argparse.ArgumentParser(prog="python -m mooncake_lookout.connector.cli.docs",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a block is stale")
+    parser.add_argument("--root", type=Path, default=REPO_ROOT, help="the repository checkout (default: this one)")
+    args = parser.parse_args(argv)
+    stale = stale_blocks(args.root, write=not args.check)
+    for item in stale:
+        print(f"{'stale' if args.check else 'rewrote'}: {item}", file=sys.stderr)
+    if args.check and stale:
+        print("run: python -m mooncake_lookout.connector.cli.docs", file=sys.stderr)
+        return 1
+    return 0
+
+
+__all__ = ["BLOCKS", "Block", "extract", "main", "package_edges", "render_config_table", "render_metrics_table",
+           "render_package_graph", "render_values_table", "schema_leaves", "splice", "stale_blocks"]
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""``mooncake-lookout doctor``: probe a deployment and say what is wrong, in plain words.
+
+Checks, each reported ``ok`` or ``FAIL`` with the reason and what to do:
+
+* ``--config``: a ``kv_connector_extra_config`` (JSON text, or ``@file``) validated by :class:`LookupConfig`
+  exactly as the connector will at start-up;
+* ``--server``: the lookup server answers lookups in each wire format (``upstream``: vLLM 0.33's
+  ``LookupKeyServer`` format, ``pipelined``: ours) within the deadline; the round-trip latency of
+  ``--samples`` probe lookups (a cold prefix: a miss is the expected answer, an error is not);
+* ``--master-metrics``: the Mooncake master's ``/health`` and ``/metrics`` (keys, clients, failures).
+
+Exit code 0 when every check passed, 1 when one failed, 2 when there was nothing to check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from mooncake_lookout.connector.config import ConfigError, LookupConfig
+from mooncake_lookout.connector.transport.names import TRANSPORTS, UPSTREAM
+
+MASTER_SERIES = ("master_key_count", "master_active_clients", "master_batch_exist_key_requests_total",
+                 "master_batch_exist_key_failures_total")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One check's verdict."""
+
+    check: str
+    ok: bool
+    detail: str
+
+    def line(self) -> str:
+        """The finding as one report line."""
+        return f"{'ok  ' if self.ok else 'FAIL'}  {self.check}: {self.detail}"
+
+
+def check_config(text: str) -> tuple[Finding, LookupConfig | None]:
+    """Validate ``kv_connector_extra_config`` given as JSON text (or ``@path`` to a JSON file)."""
+    try:
+        if text.startswith("@"):
+            with open(text[1:]) as f:
+                text = f.read()
+        extra = json.loads(text)
+    except (OSError, json.JSONDecodeError) as exc:
+        return Finding("config", False, f"cannot read the JSON: {exc}"), None
+    if not isinstance(extra, dict):
+        return Finding("config", False, "kv_connector_extra_config must be a JSON object"), None
+    try:
+        config = LookupConfig.from_extra_config(extra)
+    except ConfigError as exc:
+        return Finding("config", False, str(exc)), None
+    return Finding("config", True, f"valid; mode {config.mode}, transport {config.lookup_transport}, "
+                                   f"deadline {config.lookup_timeout_ms:g} ms, wait {config.lookup_wait_us} us"), config
+
+
+def probe_server(address: str, wire: str, *, samples: int = 20, timeout_ms: float = 500.0) -> Finding:
+    """``samples`` blocking lookups of a cold prefix over ``wire``; latency, or why there was no answer."""
+    from mooncake_lookout.connector.client import LookupClient
+    from mooncake_lookout.connector.events import Outcome, OutcomeCounter
+    from mooncake_lookout.connector.rigs.workload import unique_hashes
+    from mooncake_lookout.connector.transport import make_transport
+
+    config = LookupConfig(lookup_transport=wire, lookup_timeout_ms=timeout_ms, lookup_breaker_failures=10_000)
+    counter = OutcomeCounter()
+    try:
+        client = LookupClient(config, make_transport(config, address), observer=counter)
+    except Exception as exc:  # a malformed address fails here (ZMQ refuses it)
+        return Finding(f"server {wire} wire", False, f"cannot connect to {address!r}: {exc}")
+    hashes = unique_hashes(4, seed=0x0D0C)
+    try:
+        for i in range(samples):
+            client.lookup(f"doctor-{i}", 4 * 16 + 1, hashes, non_block=False)
+            client.discard(f"doctor-{i}")
+            if counter.count(Outcome.TIMEOUT) and i == 0:
+                break  # no answer at all: one deadline is enough to say so
+    finally:
+        client.close()
+    answered = [r for r in counter.records if r.outcome in (Outcome.HIT, Outcome.MISS)]
+    errors = [r for r in counter.records if r.outcome == Outcome.ERROR]
+    check = f"server {wire} wire"
+    if answered:
+        rtts = [r.rpc_seconds * 1e6 for r in answered if r.rpc_seconds is not None]
+        timeouts = counter.count(Outcome.TIMEOUT)
+        detail = (f"{len(answered)}/{len(counter.records)} answered; round trip p50 {statistics.median(rtts):.0f} us, "
+                  f"max {max(rtts):.0f} us")
+        if timeouts:
+            return Finding(check, False, detail + f"; {timeouts} timed out after {timeout_ms:g} ms: the server or "
+                                                  "its store is overloaded or stalling")
+        return Finding(check, True, detail)
+    if errors:
+        return Finding(check, False, f"the server answered with errors ({errors[0].error}): its Mooncake store "
+                                     "fails; check the master (--master-metrics) and the server's log")
+    hint = ("nothing answers there: is the lookup server running and is the address right?" if wire == UPSTREAM
+            else "no pipelined answer: vLLM's own LookupKeyServer speaks only the upstream wire (then use "
+                 "lookup_transport=upstream), or nothing listens there")
+    return Finding(check, False, f"no answer within {timeout_ms:g} ms at {address}; {hint}")
+
+
+def check_master(url: str, timeout_s: float = 2.0) -> list[Finding]:
+    """The master's ``/health`` and the figures of its ``/metrics`` (``url``: ``http://HOST:PORT``)."""
+    from mooncake_lookout.metrics.exporter import sum_samples
+
+    base = url.rstrip("/")
+    out = []
+    try:
+        with urllib.request.urlopen(base + "/health", timeout=timeout_s) as resp:
+            out.append(Finding("master /health", resp.status == 200, f"HTTP {resp.status}"))
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return [Finding("master /health", False, f"{base}/health unreachable ({exc}); is mooncake_master running "
+                                                 "with --metrics_host/--metrics_port on that address?")]
+    try:
+        with urllib.request.urlopen(base + "/metrics", timeout=timeout_s) as resp:
+            text = resp.read().decode("utf-8", "replace")
+        values = sum_samples(text, MASTER_SERIES)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return out + [Finding("master /metrics", False, f"cannot read or parse {base}/metrics: {exc}")]
+    shown = ", ".join(f"{k.removeprefix('master_')}={v:g}" for k, v in values.items()) or "no master_* series"
+    failures = values.get("master_batch_exist_key_failures_total", 0.0)
+    ok = "master_key_count" in values and failures == 0
+    detail = shown + ("" if failures == 0 else "; existence checks have failed: see the master's log")
+    return out + [Finding("master /metrics", ok, detail)]
+
+
+def run_doctor(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """Run the checks the arguments ask for, print one line each (to ``out``, default stdout); returns the exit code."""
+    out = out if out is not None else sys.stdout
+    findings: list[Finding] = []
+    config = None
+    if args.config is not None:
+        finding, config = check_config(args.config)
+        findings.append(finding)
+    address = args.server or (config.lookup_server_address if config is not None else "")
+    if address:
+        wires = [args.wire] if args.wire else list(TRANSPORTS)
+        for wire in wires:
+            findings.append(probe_server(address, wire, samples=args.samples, timeout_ms=args.timeout_ms))
+    if args.master_metrics:
+        findings += check_master(args.master_metrics)
+    if not findings:
+        out.write("nothing to check: give --server, --master-metrics and/or --config (see --help)\n")
+        return 2
+    for f in findings:
+        out.write(f.line() + "\n")
+    failed = [f for f in findings if not f.ok]
+    out.write(f"{len(findings) - len(failed)} ok, {len(failed)} failed\n")
+    return 1 if failed else 0
+
+
+def add_doctor_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``doctor`` subcommand; returns its parser."""
+    p = subparsers.add_parser("doctor", help="probe a lookup server, a Mooncake master and a config",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--server", metavar="ADDRESS", help="lookup server: ipc://PATH or tcp://HOST:PORT")
+    p.add_argument("--wire", choices=TRANSPORTS, help="probe only this wire format (default: both)")
+    p.add_argument("--master-metrics", metavar="URL", help="the master's HTTP base URL, e.g. http://127.0.0.1:9003")
+    p.add_argument("--config", metavar="JSON|@FILE", help="kv_connector_extra_config to validate")
+    p.add_argument("--samples", type=int, default=20, help="probe lookups per wire format (default 20)")
+    p.add_argument("--timeout-ms", type=float, default=500.0, help="deadline of one probe lookup (default 500)")
+    p.set_defaults(func=run_doctor)
+    return p
+
+
+__all__ = ["Finding", "add_doctor_parser", "check_config", "check_master", "probe_server", "run_doctor"]

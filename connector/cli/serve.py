@@ -1,0 +1,112 @@
+"""``mooncake-lookout serve``: the lookup server as a standalone process over a real Mooncake store.
+
+Why: demo, bench, tests and deployments without a vLLM worker need the same server the worker runs
+in-process. It listens on a private IPC socket unless told otherwise (TCP binds loopback by default),
+prints ``listening on <address>`` once it serves, exposes ``/metrics`` when ``--metrics-port`` is given,
+and stops cleanly on SIGTERM / SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from mooncake_lookout.connector.server.observer import ServerObserver
+
+logger = logging.getLogger(__name__)
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``serve`` subcommand to an ``argparse`` subparsers object; returns its parser."""
+    p = subparsers.add_parser("serve", help="run a standalone lookup server over a Mooncake store",
+                              description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--master", metavar="HOST:PORT", help="address of a running Mooncake master")
+    src.add_argument("--embedded-master", action="store_true",
+                     help="start a Mooncake master on 127.0.0.1 for this server (demo, tests)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--address", metavar="ENDPOINT",
+                       help="ipc://PATH or tcp://HOST:PORT to listen on (default: a private IPC directory)")
+    where.add_argument("--tcp-port", type=int, metavar="PORT", help="listen on tcp://127.0.0.1:PORT (0: any free port)")
+    p.add_argument("--workers", type=int, default=2, help="store calls that may run at once (default 2)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block hash (default 16)")
+    p.add_argument("--namespace", default="lookout", help="key namespace in the store (default lookout)")
+    p.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus /metrics on this port")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address for /metrics (default 127.0.0.1)")
+    p.add_argument("--log-level", default="INFO", help="Python log level (default INFO)")
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def _listen_address(args: argparse.Namespace) -> str | None:
+    if args.address:
+        return args.address
+    if args.tcp_port is not None:
+        return f"tcp://127.0.0.1:{args.tcp_port}"
+    return None
+
+
+def _server_observers(args: argparse.Namespace, stack: contextlib.ExitStack) -> list[ServerObserver]:
+    """The server's Prometheus figures and their ``/metrics`` endpoint when ``--metrics-port`` is set."""
+    if args.metrics_port is None:
+        return []
+    from mooncake_lookout.metrics.exporter import MetricsEndpoint, new_registry
+    from mooncake_lookout.metrics.server_sink import ServerMetrics
+
+    registry = new_registry()
+    observer = ServerMetrics(registry)
+    endpoint = stack.enter_context(MetricsEndpoint(args.metrics_port, args.metrics_host, registry))
+    print(f"metrics on {endpoint.url}", flush=True)
+    return [observer]
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Run the server until SIGTERM / SIGINT; returns the process exit code."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from mooncake_lookout.connector.rigs.master import EmbeddedMaster, MasterError
+    from mooncake_lookout.connector.server import LookupServer
+    from mooncake_lookout.connector.server.prefix_index import PrefixIndex
+    from mooncake_lookout.connector.server.store import open_store
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    with contextlib.ExitStack() as stack:
+        try:
+            if args.embedded_master:
+                master_address = stack.enter_context(EmbeddedMaster()).rpc_address
+                logger.info("embedded Mooncake master on %s", master_address)
+            else:
+                master_address = args.master
+            store = open_store(master_address)
+        except MasterError as e:
+            print(f"mooncake-lookout serve: {e}", file=sys.stderr)
+            return 2
+        stack.callback(store.close)
+        backend = PrefixIndex(store, args.block_size, args.namespace)
+        server = stack.enter_context(LookupServer(backend, _listen_address(args), workers=args.workers,
+                                                  observers=_server_observers(args, stack)))
+        print(f"listening on {server.address}", flush=True)
+        stop.wait()
+        logger.info("stopping the lookup server")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m mooncake_lookout.connector.cli.serve ...``: the ``serve`` subcommand on its own."""
+    parser = argparse.ArgumentParser(prog="mooncake-lookout")
+    add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+__all__ = ["add_serve_parser", "main", "run_serve"]
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,321 @@
+"""Lookup servers in a child process: the one server process of every rig (fault tests, soak, bench, demo).
+
+Why a process: fault tests and the soak must break a *real* server the way production breaks: the process
+dies (SIGKILL), hangs (SIGSTOP) or comes back on the same address, and a thread cannot be killed or frozen
+on its own. The bench and the demo need the servers out of the scheduler's process too, as in vLLM where
+the lookup server lives in the worker: in-process server threads would fight the scheduler for the GIL and
+skew every latency it measures.
+
+One child serves one or more transports over one
+:class:`~mooncake_lookout.connector.server.prefix_index.PrefixIndex` on its own real store client:
+
+* ``pipelined``: our :class:`~mooncake_lookout.connector.server.loop.LookupServer` (DEALER/ROUTER, ``ipc://``
+  or ``tcp://127.0.0.1``);
+* ``upstream``: vLLM 0.33's real ``LookupKeyServer`` (via :mod:`.vllm_lookup_server`), bound where vLLM binds
+  it: ``ipc://{VLLM_RPC_BASE_PATH}/lookup_rpc_port_{port}_host_..._dp_rank0``.
+
+The index sits behind an :class:`~.faults.InjectedDelayBackend` (off unless asked for). The child is this
+module run as a script; it prints ``listening on NAME=ADDRESS ...`` once it serves, ``delay on`` /
+``delay off`` after SIGUSR1 / SIGUSR2, and stops on SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from mooncake_lookout.connector.rigs.processes import ChildProcess, freeze, thaw
+from mooncake_lookout.connector.transport.names import PIPELINED, TRANSPORTS, UPSTREAM
+
+CHILD_MODULE = "mooncake_lookout.connector.rigs.server_process"  # this module, run as the child
+READY_PREFIX = "listening on "
+STANDBY_READY = "ready"
+DELAY_ON_SIGNAL = signal.SIGUSR1
+DELAY_OFF_SIGNAL = signal.SIGUSR2
+
+
+def parse_ready_line(line: str) -> dict[str, str]:
+    """The addresses a ready line announces: ``listening on pipelined=ipc://... upstream=ipc://...``."""
+    pairs = (item.split("=", 1) for item in line[len(READY_PREFIX):].split())
+    return {name: address for name, address in pairs}
+
+
+# -- parent side -----------------------------------------------------------------------------------------------
+
+class ServerProcess:
+    """Lookup servers in a child process: start, kill, pause, resume and restart them by pid, same addresses.
+
+    ``transports``: ``pipelined`` (our server), ``upstream`` (vLLM's ``LookupKeyServer``), or a sequence of
+    both, served by one child over one index. ``master``: the Mooncake master's ``host:port``.
+    ``address`` (pipelined only): ``ipc://PATH`` or ``tcp://127.0.0.1:PORT`` (port 0 picks one, kept across
+    restarts); default an IPC socket in a private 0700 folder made here. ``rpc_port`` / ``rpc_base_path``
+    (upstream only): vLLM's ``lookup_rpc_port`` and ``VLLM_RPC_BASE_PATH``. ``delay_ms`` is the injected
+    store delay, active from the start if ``delay_on``. ``store_rpc_timeout_ms`` bounds one store call in
+    the child when the master stalls (None: Mooncake's 30 s). ``start_timeout_s`` bounds the wait for the
+    ready line (an upstream child imports vLLM: 10-15 s).
+
+    ``standby``: keep the next child already spawned and imported, waiting for a word on stdin, so a
+    restart costs a bind (~0.1 s) instead of an interpreter and a vLLM import. What a restart measures
+    is then the client's recovery, not Python's start-up.
+
+    Children die with the *thread* that spawned them (``PR_SET_PDEATHSIG``), so no server outlives a
+    killed test: call :meth:`start` from a thread that lives as long as the server should. A restarted
+    child starts with the delay as ``delay_on`` says, whatever :meth:`set_delay` switched since.
+    """
+
+    def __init__(self, transports: str | Sequence[str], master: str, *, namespace: str, address: str | None = None,
+                 rpc_port: int = 0, rpc_base_path: str | None = None, block_size: int = 16,
+                 delay_ms: float = 0.0, delay_on: bool = False, store_rpc_timeout_ms: int | None = 1000,
+                 workers: int = 2, start_timeout_s: float = 90.0, standby: bool = True) -> None:
+        self.transports = (transports,) if isinstance(transports, str) else tuple(transports)
+        unknown = [t for t in self.transports if t not in TRANSPORTS]
+        if unknown or not self.transports:
+            raise ValueError(f"transports must be some of {TRANSPORTS}, got {transports!r}")
+        self.transport = self.transports[0]
+        self.master = master
+        self.namespace = namespace
+        self.rpc_port = rpc_port
+        self.rpc_base_path = rpc_base_path
+        self.block_size = block_size
+        self.delay_ms = delay_ms
+        self.delay_on = delay_on
+        self.store_rpc_timeout_ms = store_rpc_timeout_ms
+        self.workers = workers
+        self.start_timeout_s = start_timeout_s
+        self.use_standby = standby
+        self.starts = 0
+        self.start_seconds: list[float] = []  # from the start call (or the standby's go) until serving
+        self._own_dir: str | None = None
+        if PIPELINED in self.transports and address is None:
+            self._own_dir = tempfile.mkdtemp(prefix="lookout-servers-")  # mode 0700
+            address = "ipc://" + os.path.join(self._own_dir, "lookup.sock")
+        self._requested = address
+        self.addresses: dict[str, str] = {}  # transport -> address, once started
+        self._child: ChildProcess | None = None
+        self._standby: ChildProcess | None = None
+
+    # -- state -------------------------------------------------------------------------------------------------
+    @property
+    def address(self) -> str:
+        """The address of the first transport served ('' before the first start)."""
+        return self.addresses.get(self.transport, "")
+
+    @property
+    def pid(self) -> int:
+        """Process id of the running child."""
+        if self._child is None:
+            raise RuntimeError("the lookup server process is not running")
+        return self._child.pid
+
+    @property
+    def running(self) -> bool:
+        """True while the child exists (paused counts as running)."""
+        return self._child is not None and self._child.running
+
+    def pids(self) -> list[int]:
+        """Every child process this object holds (the server and its standby), for leak checks."""
+        return [c.pid for c in (self._child, self._standby) if c is not None]
+
+    def output(self) -> str:
+        """The running child's last output lines (stdout and stderr), for error messages."""
+        return self._child.output() if self._child is not None else ""
+
+    def _argv(self, standby: bool) -> list[str]:
+        argv = [sys.executable, "-m", CHILD_MODULE, "--master", self.master, "--namespace", self.namespace,
+                "--block-size", str(self.block_size), "--delay-ms", str(self.delay_ms), "--workers", str(self.workers)]
+        for transport in self.transports:
+            argv += ["--serve", transport]
+        if self.store_rpc_timeout_ms is not None:
+            argv += ["--store-rpc-timeout-ms", str(self.store_rpc_timeout_ms)]
+        if self.delay_on:
+            argv.append("--delay-on")
+        if standby:
+            argv.append("--wait-go")
+        if PIPELINED in self.transports:
+            argv += ["--address", self.addresses.get(PIPELINED) or self._requested or ""]
+        if UPSTREAM in self.transports:
+            argv += ["--rpc-port", str(self.rpc_port)]
+            if self.rpc_base_path is not None:
+                argv += ["--rpc-base-path", self.rpc_base_path]
+        return argv
+
+    def _spawn(self, standby: bool) -> ChildProcess:
+        env = dict(os.environ, MC_LOG_LEVEL=os.environ.get("MC_LOG_LEVEL", "ERROR"), PYTHONUNBUFFERED="1")
+        return ChildProcess(self._argv(standby), env=env, stdin=standby, keep_lines=200, name="lookup-servers")
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+    def start(self) -> ServerProcess:
+        """Start the servers (the standby if one is ready; the previous start's addresses) and wait until they serve."""
+        if self.running:
+            return self
+        t0 = time.perf_counter()
+        child, self._standby = self._standby, None
+        if child is not None and (not child.running or not self.addresses):
+            child.kill()
+            child = None
+        if child is None:
+            child = self._spawn(standby=False)
+        else:
+            child.wait_line(lambda ln: ln.strip() == STANDBY_READY, self.start_timeout_s, "standby import")
+            t0 = time.perf_counter()
+            child.send("go\n")
+        self._child = child
+        try:
+            line = child.wait_line(READY_PREFIX, self.start_timeout_s, "start")
+        except Exception:
+            self.kill()
+            raise
+        self.addresses = parse_ready_line(line)
+        self.starts += 1
+        self.start_seconds.append(time.perf_counter() - t0)
+        if self.use_standby:
+            self._standby = self._spawn(standby=True)
+        return self
+
+    def kill(self) -> None:
+        """Crash the servers: SIGKILL by pid, then reap the child (a standby stays ready)."""
+        child, self._child = self._child, None
+        if child is not None:
+            child.kill()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop cleanly: SIGCONT, SIGTERM, then SIGKILL after ``timeout_s`` (a standby stays ready)."""
+        child, self._child = self._child, None
+        if child is not None:
+            child.stop(signal.SIGTERM, timeout_s)
+
+    def restart(self) -> ServerProcess:
+        """Kill (if running) and start again on the same addresses."""
+        self.kill()
+        return self.start()
+
+    def pause(self, timeout_s: float = 5.0) -> None:
+        """Hang the servers (SIGSTOP) and return once the kernel reports the child stopped."""
+        freeze(self.pid, timeout_s, "lookup server process")
+
+    def resume(self, timeout_s: float = 5.0) -> None:
+        """Thaw hung servers (SIGCONT) and return once the child runs again."""
+        thaw(self.pid, timeout_s, "lookup server process")
+
+    def set_delay(self, on: bool, timeout_s: float = 10.0) -> None:
+        """Switch the injected store delay on or off in the running child; returns once the child says so."""
+        child = self._child
+        if child is None:
+            raise RuntimeError("the lookup server process is not running")
+        seen = child.line_count
+        os.kill(child.pid, DELAY_ON_SIGNAL if on else DELAY_OFF_SIGNAL)
+        want = "delay on" if on else "delay off"
+        child.wait_line(lambda ln: ln.strip() == want, timeout_s, want, after=seen)
+
+    def close(self) -> None:
+        """Stop the servers and the standby, and remove the private folder made for the socket."""
+        self.stop()
+        standby, self._standby = self._standby, None
+        if standby is not None:
+            standby.kill()
+        if self._own_dir is not None:
+            shutil.rmtree(self._own_dir, ignore_errors=True)
+            self._own_dir = None
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        where = self.addresses or self._requested
+        return f"ServerProcess({'+'.join(self.transports)}, {where}, running={self.running})"
+
+
+# -- child side ------------------------------------------------------------------------------------------------
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m mooncake_lookout.connector.rigs.server_process",
+                                description="lookup servers in a child process")
+    p.add_argument("--serve", choices=TRANSPORTS, action="append", required=True, help="a transport to serve")
+    p.add_argument("--master", required=True, metavar="HOST:PORT")
+    p.add_argument("--namespace", required=True)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--address", default="", help="pipelined: ipc://PATH or tcp://127.0.0.1:PORT ('' = private dir)")
+    p.add_argument("--rpc-port", type=int, default=0, help="upstream: vLLM's lookup_rpc_port")
+    p.add_argument("--rpc-base-path", default=None, help="upstream: VLLM_RPC_BASE_PATH for vLLM's IPC path")
+    p.add_argument("--delay-ms", type=float, default=0.0, help="INJECTED store delay, in milliseconds")
+    p.add_argument("--delay-on", action="store_true", help="inject the delay from the start")
+    p.add_argument("--store-rpc-timeout-ms", type=int, default=None)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--wait-go", action="store_true",
+                   help="standby: import everything, print 'ready', then wait for a line on stdin before serving")
+    return p.parse_args(argv)
+
+
+def _start_servers(args: argparse.Namespace, backend: Any) -> dict[str, Any]:
+    """Bind every server asked for; returns them by transport name."""
+    from mooncake_lookout.connector.server import LookupServer
+
+    servers: dict[str, Any] = {}
+    if UPSTREAM in args.serve:
+        from mooncake_lookout.connector.rigs.vllm_lookup_server import UpstreamLookupServer, lookup_vllm_config
+
+        servers[UPSTREAM] = UpstreamLookupServer(backend, lookup_vllm_config(args.rpc_port)).start()
+    if PIPELINED in args.serve:
+        servers[PIPELINED] = LookupServer(backend, args.address or None, workers=args.workers).start()
+    return servers
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Serve until SIGTERM / SIGINT; prints ``listening on NAME=ADDRESS ...`` once serving."""
+    args = _parse(argv)
+    from mooncake_lookout.connector.rigs.faults import InjectedDelayBackend
+    from mooncake_lookout.connector.rigs.rpc_base_path import use_rpc_base_path
+    from mooncake_lookout.connector.server.prefix_index import PrefixIndex
+    from mooncake_lookout.connector.server.store import open_store
+
+    if args.rpc_base_path is not None:
+        use_rpc_base_path(args.rpc_base_path)
+    if UPSTREAM in args.serve:  # imports vLLM (seconds): before the standby says it is ready
+        import mooncake_lookout.connector.rigs.vllm_lookup_server  # noqa: F401
+    if args.wait_go:
+        print(STANDBY_READY, flush=True)
+        if not sys.stdin.readline():  # the parent went away before it needed this standby
+            return 0
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    store = open_store(args.master, rpc_timeout_ms=args.store_rpc_timeout_ms)
+    backend = InjectedDelayBackend(PrefixIndex(store, args.block_size, args.namespace), args.delay_ms / 1000.0,
+                                   enabled=args.delay_on)
+
+    def switch(on: bool) -> None:
+        backend.enabled = on
+        print("delay on" if on else "delay off", flush=True)
+
+    signal.signal(DELAY_ON_SIGNAL, lambda *_: switch(True))
+    signal.signal(DELAY_OFF_SIGNAL, lambda *_: switch(False))
+    servers = _start_servers(args, backend)
+    print(READY_PREFIX + " ".join(f"{name}={server.address}" for name, server in servers.items()), flush=True)
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        for name, server in servers.items():
+            if name == UPSTREAM:
+                server.stop(timeout_s=2.0)
+            else:
+                server.close(timeout_s=2.0)
+        # The store client's close() takes ~1 s; a child being stopped need not wait for it.
+    os._exit(0)
+
+
+__all__ = ["DELAY_OFF_SIGNAL", "DELAY_ON_SIGNAL", "READY_PREFIX", "ServerProcess", "main", "parse_ready_line"]
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""What the lookup server asks of a store: a prefix lookup and a wipe, or many lookups in one call.
+
+vLLM's store worker (:class:`~mooncake_lookout.connector.server.worker_backend.WorkerBackend`) and our
+:class:`~mooncake_lookout.connector.server.prefix_index.PrefixIndex` both fit. The server calls a
+backend on its pool threads, so a backend must be safe to call from several threads at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from mooncake_lookout.connector.job import LookupResult
+
+
+@runtime_checkable
+class LookupBackend(Protocol):
+    """What the server asks: a prefix lookup and a wipe. vLLM's store worker and our PrefixIndex both fit."""
+
+    def lookup(self, num_tokens: int, hashes: Sequence[bytes]) -> LookupResult: ...
+
+    def reset(self) -> Any: ...
+
+
+@runtime_checkable
+class BatchLookupBackend(LookupBackend, Protocol):
+    """A backend that answers many lookups with one store call; an exception in the list is that lookup's error."""
+
+    def lookup_many(self, queries: Sequence[tuple[int, Sequence[bytes]]]) -> list[Any]: ...
+
+
+__all__ = ["BatchLookupBackend", "LookupBackend"]

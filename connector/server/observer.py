@@ -1,0 +1,61 @@
+"""What the lookup server reports about itself: observer hooks and the counters it always keeps.
+
+Every hook runs on the server's IO thread; the server logs and skips an observer that raises, so
+telemetry cannot stop serving. The Prometheus side lives in :mod:`mooncake_lookout.metrics.server_sink`.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+
+class ServerObserver:
+    """Hooks for the server's telemetry, all called on the IO thread; override what you need.
+
+    ``status`` values are ``metrics.catalogue.SERVER_STATUSES``: ``ok`` (hits and misses), ``error``
+    (the store failed), ``bad_request`` (the frame was refused).
+    """
+
+    def queue_depth(self, depth: int) -> None:
+        """Lookups received and not yet answered."""
+
+    def inflight(self, calls: int) -> None:
+        """Store calls running right now."""
+
+    def store_call(self, batch_size: int, seconds: float, failed: bool) -> None:
+        """One store call ended (``failed``: it raised or returned an error for some lookup)."""
+
+    def answered(self, status: str) -> None:
+        """One request was answered."""
+
+
+@dataclass
+class ServerStats(ServerObserver):
+    """Plain counters of what the server did (tests, ``doctor``, logs); always kept."""
+
+    answered_by_status: dict[str, int] = field(default_factory=lambda: collections.Counter())
+    store_calls: int = 0
+    store_errors: int = 0
+    coalesced_lookups: int = 0
+    max_batch: int = 0
+    max_inflight: int = 0
+    depth: int = 0
+
+    def queue_depth(self, depth: int) -> None:
+        self.depth = depth
+
+    def inflight(self, calls: int) -> None:
+        self.max_inflight = max(self.max_inflight, calls)
+
+    def store_call(self, batch_size: int, seconds: float, failed: bool) -> None:
+        self.store_calls += 1
+        self.coalesced_lookups += batch_size
+        self.max_batch = max(self.max_batch, batch_size)
+        self.store_errors += failed
+
+    def answered(self, status: str) -> None:
+        self.answered_by_status[status] += 1
+
+
+__all__ = ["ServerObserver", "ServerStats"]
