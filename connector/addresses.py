@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import socket
 import stat
@@ -80,13 +81,18 @@ def upstream_lookup_address(vllm_config: Any) -> str:
 
 
 def pipelined_lookup_address(vllm_config: Any, config: LookupConfig) -> str:
-    """Our lookup server's address: the configured one, else a private IPC path keyed like vLLM's."""
+    """Our lookup server's address: the configured one, else a private IPC path keyed like vLLM's.
+
+    The key is vLLM's (lookup port, host, data-parallel rank), with the host hashed: a pod's hostname is its name,
+    up to 63 characters, and written out it would push the path past the 107 characters a socket path holds.
+    """
     if config.lookup_server_address:
         return config.lookup_server_address
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
     rpc_port = extra.get("lookup_rpc_port", 0)
     dp_rank = vllm_config.parallel_config.data_parallel_index
-    name = f"lookup_port_{rpc_port}_host_{socket.gethostname()}_dp_rank{dp_rank}.sock"
+    host = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:12]
+    name = f"lookup_{rpc_port}_dp{dp_rank}_{host}.sock"
     return "ipc://" + os.path.join(private_ipc_dir(), name)
 
 

@@ -26,6 +26,7 @@ import tuning  # noqa: E402
 OVERVIEW_JSON = "mooncake-lookups-overview.json"
 TUNING_JSON = "mooncake-lookups-tuning.json"
 RULES_YAML = "alerts.rules.yaml"
+INHIBIT_YAML = "alertmanager-inhibit.yaml"
 
 
 def dashboard_json(builder: Any) -> str:
@@ -39,6 +40,7 @@ def outputs() -> dict[str, str]:
         OVERVIEW_JSON: dashboard_json(overview.build(tuning.UID)),
         TUNING_JSON: dashboard_json(tuning.build(overview.UID)),
         RULES_YAML: alerts.render(),
+        INHIBIT_YAML: alerts.render_inhibitions(),
     }
 
 
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["OVERVIEW_JSON", "RULES_YAML", "TUNING_JSON", "check", "dashboard_json", "main", "outputs"]
+__all__ = ["INHIBIT_YAML", "OVERVIEW_JSON", "RULES_YAML", "TUNING_JSON", "check", "dashboard_json", "main", "outputs"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,6 +12,21 @@ from __future__ import annotations
 VLLM_COUNTERS: tuple[str, ...] = ("vllm:external_prefix_cache_queries", "vllm:external_prefix_cache_hits")
 VLLM_GAUGES: tuple[str, ...] = ("vllm:num_requests_waiting_by_reason",)
 
+# vLLM 0.33's Mooncake store connector (distributed/kv_transfer/kv_connector/v1/mooncake/store/metrics.py):
+# the worker's store operations (lookup_exists, save_exists, save_put, load_get) by operation and status.
+VLLM_STORE_OP_HISTOGRAMS: tuple[str, ...] = ("vllm:mooncake_store_operation_time_seconds",)
+VLLM_STORE_OP_COUNTERS: tuple[str, ...] = (
+    "vllm:mooncake_store_operation_total", "vllm:mooncake_store_operation_keys_total",
+    "vllm:mooncake_store_operation_bytes_total", "vllm:mooncake_store_operation_failed_keys_total")
+STORE_OP_SECONDS = "vllm:mooncake_store_operation_time_seconds"
+STORE_OP_CALLS = "vllm:mooncake_store_operation_total"
+STORE_OP_KEYS = "vllm:mooncake_store_operation_keys_total"
+STORE_OP_BYTES = "vllm:mooncake_store_operation_bytes_total"
+STORE_OP_FAILED_KEYS = "vllm:mooncake_store_operation_failed_keys_total"
+STORE_OP_SERIES: frozenset[str] = frozenset(
+    {STORE_OP_CALLS, STORE_OP_KEYS, STORE_OP_BYTES, STORE_OP_FAILED_KEYS}
+    | {STORE_OP_SECONDS + s for s in ("_bucket", "_sum", "_count")})
+
 EXTERNAL_PREFIX_QUERIES = "vllm:external_prefix_cache_queries_total"
 EXTERNAL_PREFIX_HITS = "vllm:external_prefix_cache_hits_total"
 REQUESTS_WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
@@ -33,7 +48,8 @@ MASTER_SERIES: frozenset[str] = frozenset({
     MASTER_BATCH_EXIST_FAILED_ITEMS, MASTER_KEY_COUNT, MASTER_ACTIVE_CLIENTS, MASTER_ALLOCATED_BYTES,
     MASTER_CAPACITY_BYTES, MASTER_EVICTED_KEYS, MASTER_SUCCESSFUL_EVICTIONS,
 })
-VLLM_SERIES: frozenset[str] = frozenset({EXTERNAL_PREFIX_QUERIES, EXTERNAL_PREFIX_HITS, REQUESTS_WAITING_BY_REASON})
+VLLM_SERIES: frozenset[str] = frozenset({EXTERNAL_PREFIX_QUERIES, EXTERNAL_PREFIX_HITS, REQUESTS_WAITING_BY_REASON}
+                                       | STORE_OP_SERIES)
 # Prometheus' own per-target series.
 PROMETHEUS_SERIES: frozenset[str] = frozenset({"up"})
 
@@ -42,5 +58,6 @@ __all__ = [
     "MASTER_BATCH_EXIST_FAILED_ITEMS", "MASTER_BATCH_EXIST_FAILURES", "MASTER_BATCH_EXIST_ITEMS",
     "MASTER_BATCH_EXIST_REQUESTS", "MASTER_CAPACITY_BYTES", "MASTER_EVICTED_KEYS", "MASTER_KEY_COUNT",
     "MASTER_SERIES", "MASTER_SUCCESSFUL_EVICTIONS", "PROMETHEUS_SERIES", "REQUESTS_WAITING_BY_REASON",
-    "VLLM_COUNTERS", "VLLM_GAUGES", "VLLM_SERIES",
+    "STORE_OP_BYTES", "STORE_OP_CALLS", "STORE_OP_FAILED_KEYS", "STORE_OP_KEYS", "STORE_OP_SECONDS", "STORE_OP_SERIES",
+    "VLLM_COUNTERS", "VLLM_GAUGES", "VLLM_SERIES", "VLLM_STORE_OP_COUNTERS", "VLLM_STORE_OP_HISTOGRAMS",
 ]

@@ -55,9 +55,11 @@ def windows(expr: str) -> list[str]:
 
 
 def bare_names(expr: str) -> list[str]:
-    """Identifiers outside selectors, groupings and strings that are not PromQL words: metrics without filters."""
+    """Identifiers outside selectors, groupings, strings and comments that are not PromQL words: metrics without
+    filters."""
     text = _SELECTOR.sub(" ", expr)
     text = re.sub(r'"(?:[^"\\]|\\.)*"', " ", text)
+    text = re.sub(r"#[^\n]*", " ", text)  # PromQL comments run to the end of the line
     text = _GROUPING.sub(" ", text)
     text = _WINDOW.sub(" ", text)
     text = _NUMBER.sub(" ", text)

@@ -2,9 +2,12 @@
 
 ``LiveStack`` starts, all on 127.0.0.1: a ``mooncake_master``; a lookup server over it (with its
 ``/metrics``); two vLLM V1 schedulers with the lookout connector on the pipelined transport, one in
-async mode and one in sync mode, each with its own ``/metrics``; and a Prometheus scraping all four
-every second. :meth:`LiveStack.drive` feeds the schedulers a shared-prefix workload (half the prompt is
-in the store). Every process it starts is stopped by pid on exit.
+async mode and one in sync mode, each with its own ``/metrics``; vLLM's own Mooncake store-operation
+metrics (``MooncakeStorePromMetrics``, what a GPU worker's connector reports) fed with the real store calls
+of this stack (the server's existence checks as ``lookup_exists``, the filler's puts as ``save_put``; no GPU
+worker runs here to make loads and saves of its own); and a Prometheus scraping all of them every second.
+:meth:`LiveStack.drive` feeds the schedulers a shared-prefix workload (half the prompt is in the store).
+Every process it starts is stopped by pid on exit.
 """
 
 from __future__ import annotations
@@ -24,12 +27,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.rigs.master import EmbeddedMaster
 from mooncake_lookout.connector.rigs.processes import stop_process
-from mooncake_lookout.connector.server import LookupServer
+from mooncake_lookout.connector.server import LookupServer, ServerObserver
 from mooncake_lookout.connector.server.prefix_index import PrefixIndex
 from mooncake_lookout.connector.server.store import open_store, open_writer_store
 from mooncake_lookout.metrics.exporter import serve_metrics
@@ -42,6 +45,42 @@ PREFIX_BLOCKS = 4
 UNIQUE_BLOCKS = 4
 BLOCK = 16
 JOBS = {"clients": "vllm", "server": "lookup-server", "master": "mooncake-master"}
+STORE_OP_LABELS = {"model_name": "live-model", "engine": "0"}
+
+
+class StoreOperationFeed(ServerObserver):
+    """vLLM's ``MooncakeStorePromMetrics`` fed with real store calls, as its worker-side connector feeds it.
+
+    The lookup server's store calls are existence checks of the keys it is asked about: vLLM's worker records
+    those as ``lookup_exists``. :meth:`record` adds any other timed operation (the filler's ``save_put``).
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        from functools import partial
+
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.metrics import MooncakeStorePromMetrics
+
+        types = {cls: partial(cls, registry=registry) for cls in (Gauge, Counter, Histogram)}
+        self.prom = MooncakeStorePromMetrics(_store_op_config(), types, list(STORE_OP_LABELS),
+                                             {0: list(STORE_OP_LABELS.values())})
+        self._lock = threading.Lock()
+
+    def record(self, operation: str, seconds: float, keys: int, *, num_bytes: int = 0, failed: bool = False) -> None:
+        """One store call, recorded the way vLLM's ``MooncakeStoreConnectorStats.record_operation`` does."""
+        record = {"duration_seconds": seconds, "num_keys": keys, "num_bytes": num_bytes,
+                  "status": "error" if failed else "ok", "num_failed_keys": keys if failed else 0}
+        with self._lock:
+            self.prom.observe({operation: [record]})
+
+    def store_call(self, batch_size: int, seconds: float, failed: bool) -> None:
+        self.record("lookup_exists", seconds, batch_size, failed=failed)
+
+
+def _store_op_config() -> Any:
+    """The smallest real VllmConfig the store metrics accept (they keep its kv_transfer_config)."""
+    from mooncake_lookout.connector.rigs.vllm_lookup_server import lookup_vllm_config
+
+    return lookup_vllm_config()
 
 
 def _free_port() -> int:
@@ -139,8 +178,11 @@ class LiveStack(contextlib.ExitStack):
         self.callback(reader.close)
         self.filler = PrefixIndex(writer, BLOCK)
         server_registry = CollectorRegistry()
+        # vLLM serves its store-operation metrics on the same /metrics as ours: the async scheduler's, here.
+        store_op_registry = CollectorRegistry()
+        self.store_ops = StoreOperationFeed(store_op_registry)
         self.server = self.enter_context(LookupServer(PrefixIndex(reader, BLOCK), "tcp://127.0.0.1:0",
-                                                      observers=[ServerMetrics(server_registry)]))
+                                                      observers=[ServerMetrics(server_registry), self.store_ops]))
         server_ep = self.enter_context(serve_metrics(0, registry=server_registry))
         self.drivers: dict[str, Any] = {}
         client_eps = []
@@ -151,7 +193,7 @@ class LiveStack(contextlib.ExitStack):
                      "load_async": False}
             driver = SchedulerDriver(make_vllm_config(extra))
             self.callback(driver.close)
-            registry = CollectorRegistry()
+            registry = store_op_registry if mode == "async" else CollectorRegistry()
             sink = PrometheusSink(LookupConfig.from_extra_config(extra), registry)
             driver.connector.connector_scheduler.observers.add(sink)
             client_eps.append(self.enter_context(serve_metrics(0, registry=registry)))
@@ -166,7 +208,9 @@ class LiveStack(contextlib.ExitStack):
         self.prometheus.start()
         self._prefix = list(range(1000, 1000 + PREFIX_BLOCKS * BLOCK))
         any_driver = next(iter(self.drivers.values()))
-        self.filler.store_prefixes([any_driver.block_hashes(self._prefix + [1])[:PREFIX_BLOCKS]])
+        t0 = time.perf_counter()
+        written = self.filler.store_prefixes([any_driver.block_hashes(self._prefix + [1])[:PREFIX_BLOCKS]])
+        self.store_ops.record("save_put", time.perf_counter() - t0, written, num_bytes=written)  # one-byte values
         self._count = 0
 
     def _prompt(self, i: int) -> list[int]:
@@ -200,5 +244,5 @@ class LiveStack(contextlib.ExitStack):
         return t
 
 
-__all__ = ["JOBS", "LiveStack", "PromAPI", "Prometheus", "RATE_INTERVAL", "SCRAPE_S"]
+__all__ = ["JOBS", "LiveStack", "PromAPI", "Prometheus", "RATE_INTERVAL", "SCRAPE_S", "StoreOperationFeed"]
 

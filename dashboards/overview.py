@@ -149,6 +149,30 @@ def _server(p: Panels) -> list[Any]:
     ]
 
 
+def _store_ops(p: Panels) -> list[Any]:
+    """vLLM's own Mooncake store-operation metrics (the worker's loads, saves and existence checks)."""
+    by_op = ("operation", "status")
+    return [
+        p.timeseries("Store operations per second", "Mooncake store calls of vLLM's worker per second, by "
+                     "operation (lookup_exists, save_exists, save_put, load_get) and status.",
+                     [Query(q.rate_sum(km.STORE_OP_CALLS, by_op), "{{operation}} {{status}}")], "ops", width=8),
+        p.timeseries("Store operation latency", "p50 and p95 of one store call of vLLM's worker, by operation.",
+                     [Query(q.name_quantile(km.STORE_OP_SECONDS, x, ("operation",)),
+                            f"p{round(x * 100)} {{{{operation}}}}") for x in (0.5, 0.95)], "s", width=8),
+        p.timeseries("Bytes loaded and saved", "Bytes moved by store operations per second: load_get is "
+                     "prefix reuse, save_put is the cache filling.",
+                     [Query(q.rate_sum(km.STORE_OP_BYTES, ("operation",)), "{{operation}}")], "Bps", width=8),
+        p.timeseries("Keys per second and failed keys", "Keys touched by store operations per second, and the "
+                     "keys that failed (a failed load recomputes its blocks).",
+                     [Query(q.rate_sum(km.STORE_OP_KEYS, ("operation",)), "{{operation}}"),
+                      Query(q.rate_sum(km.STORE_OP_FAILED_KEYS, ("operation",)), "failed {{operation}}")], "ops"),
+        p.timeseries("Failed store operations", "Store calls of vLLM's worker that ended with status error, per "
+                     "second and operation.",
+                     [Query(q.rate_sum(km.STORE_OP_CALLS, ("operation",), extra=['status="error"']),
+                            "{{operation}}")], "ops"),
+    ]
+
+
 def _master(p: Panels) -> list[Any]:
     mv = dict(variables=q.MASTER_VARS)
     used = q.gauge(km.MASTER_ALLOCATED_BYTES, "sum", BY_INSTANCE, **mv)
@@ -192,6 +216,10 @@ def build(tuning_uid: str) -> db.Dashboard:
         d = d.with_row(p.row(title))  # the row first, so ids follow the page from top to bottom
         for panel in make(p):
             d = d.with_panel(panel)
+    store = p.row("Store operations (requires vLLM's worker metrics: the Mooncake store connector)")
+    for panel in _store_ops(p):
+        store = store.with_panel(panel)
+    d = d.with_row(store)
     master = p.row("Mooncake master (requires a scrape of the master's /metrics)")
     for panel in _master(p):
         master = master.with_panel(panel)

@@ -12,14 +12,16 @@ from collections.abc import Iterable, Sequence
 from mooncake_lookout.metrics.catalogue import MetricSpec
 
 # Dashboard variables every lookup query filters on. Regex matchers so that the include-all value ``.*``
-# also matches series that lack the label (standalone server and demo export no model_name / engine).
-LOOKUP_VARS: tuple[str, ...] = ("job", "instance", "model_name", "engine")
+# also matches series that lack the label (standalone server and demo export no model_name / engine; a
+# static scrape config adds no namespace / pod).
+LOOKUP_VARS: tuple[str, ...] = ("namespace", "job", "pod", "instance", "model_name", "engine")
 # The Mooncake master is its own scrape job: its panels filter on their own pair of variables.
 MASTER_VARS: tuple[str, ...] = ("master_job", "master_instance")
 MASTER_LABEL_OF: dict[str, str] = {"master_job": "job", "master_instance": "instance"}
 RATE = "$__rate_interval"
-# Labels an alert keeps: one alert per serving engine.
-ALERT_BY: tuple[str, ...] = ("job", "instance", "model_name", "engine")
+# Labels an alert keeps: one alert per serving engine, with the namespace and pod Alertmanager routes,
+# groups and inhibits by (kube-prometheus-stack's convention).
+ALERT_BY: tuple[str, ...] = ("namespace", "pod", "job", "instance", "model_name", "engine")
 
 
 def series(spec: MetricSpec, suffix: str = "") -> str:
@@ -80,6 +82,12 @@ def mean(spec: MetricSpec, labels: Sequence[str] = (), *, variables: Sequence[st
                  rate_sum(series(spec, "_count"), labels, variables=variables, window=window))
 
 
+def name_quantile(name: str, q: float, labels: Sequence[str] = (), *,
+                  variables: Sequence[str] | None = LOOKUP_VARS, window: str = RATE) -> str:
+    """``histogram_quantile`` of a histogram that is not ours, by its family name."""
+    return f"histogram_quantile({q}, {rate_sum(name + '_bucket', ('le', *labels), variables=variables, window=window)})"
+
+
 def gauge(name: str, agg: str = "sum", labels: Sequence[str] = (), *,
           variables: Sequence[str] | None = LOOKUP_VARS, extra: Iterable[str] = ()) -> str:
     """An aggregated gauge: ``agg by (labels) (name{filters})``."""
@@ -88,5 +96,5 @@ def gauge(name: str, agg: str = "sum", labels: Sequence[str] = (), *,
 
 __all__ = [
     "ALERT_BY", "LOOKUP_VARS", "MASTER_LABEL_OF", "MASTER_VARS", "RATE", "by", "counter_rate", "gauge",
-    "matchers", "mean", "quantile", "rate_sum", "ratio", "sel", "series",
+    "matchers", "mean", "name_quantile", "quantile", "rate_sum", "ratio", "sel", "series",
 ]

@@ -52,6 +52,8 @@ def fmt(value: float, unit: str) -> str:
                 return f"{value / scale:.3g} {suffix}"
     if unit in ("reqps", "ops"):
         return f"{value:.3g}/s"
+    if unit == "Bps":
+        return fmt(value, "bytes") + "/s"
     return f"{value:.3g}"
 
 

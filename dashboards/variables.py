@@ -3,6 +3,10 @@
 Variables chain (each narrows the next), take several values and offer "All" as ``.*``: with a regex
 matcher, ``.*`` also matches series that lack the label, so a standalone lookup server (no model_name,
 no engine) stays visible until someone picks a specific model or engine.
+
+Variable queries stay cheap: they read two small gauges by exact name (:data:`VARIABLE_SOURCES`), one series per
+lookup client and lookup server, never a regex over every series name (Prometheus looks a literal alternation
+up name by name).
 """
 
 from __future__ import annotations
@@ -12,16 +16,19 @@ from typing import Any
 from grafana_foundation_sdk.builders import dashboard as db
 from grafana_foundation_sdk.models import dashboard as dm
 
-from mooncake_lookout.metrics.catalogue import PREFIX
+from mooncake_lookout.metrics import catalogue as c
 
 import known_metrics as km
 from panels import DATASOURCE
 from queries import MASTER_LABEL_OF
 
 ALL = ".*"
-OURS = f'__name__=~"{PREFIX}.*"'
+# One series per lookup client (the info gauge) and per lookup server (its queue gauge), in vLLM or standalone.
+VARIABLE_SOURCES: tuple[str, ...] = (c.INFO.name, c.SERVER_QUEUE_DEPTH.name)
+OURS = f'__name__=~"{"|".join(VARIABLE_SOURCES)}"'
 LOOKUP_CHAIN: tuple[tuple[str, str], ...] = (
-    ("job", "Job"), ("instance", "Instance"), ("model_name", "Model"), ("engine", "Engine"),
+    ("namespace", "Namespace"), ("job", "Job"), ("pod", "Pod"), ("instance", "Instance"), ("model_name", "Model"),
+    ("engine", "Engine"),
 )
 MASTER_CHAIN: tuple[tuple[str, str], ...] = (("master_job", "Master job"), ("master_instance", "Master instance"))
 
@@ -39,7 +46,7 @@ def _query_var(name: str, label: str, query: str, description: str) -> db.QueryV
 
 
 def variables() -> list[Any]:
-    """datasource, then job -> instance -> model_name -> engine, then master_job -> master_instance."""
+    """datasource, namespace -> job -> pod -> instance -> model_name -> engine, then master_job -> master_instance."""
     out: list[Any] = [db.DatasourceVariable("datasource").label("Data source").type("prometheus")
                  .description("The Prometheus that scrapes vLLM, the lookup servers and the Mooncake master.")]
     done: list[str] = []
@@ -76,4 +83,5 @@ def link_to(title: str, uid: str, tooltip: str) -> db.DashboardLink:
             .icon("dashboard").include_vars(True).keep_time(True).target_blank(False))
 
 
-__all__ = ["ALL", "LOOKUP_CHAIN", "MASTER_CHAIN", "TAGS", "label_values_query", "link_to", "new_dashboard", "variables"]
+__all__ = ["ALL", "LOOKUP_CHAIN", "MASTER_CHAIN", "TAGS", "VARIABLE_SOURCES", "label_values_query", "link_to",
+           "new_dashboard", "variables"]

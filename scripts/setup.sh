@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything mooncake-lookout needs on a fresh Debian machine (run as root):
-# apt packages, a venv with vLLM's CPU recipe, the Mooncake non-CUDA wheel, helm.
+# apt packages (libibverbs1 for Mooncake; Prometheus, promtool and Alertmanager for the monitoring tests; etcd for
+# the master failover test), a venv with vLLM's CPU recipe, the Mooncake non-CUDA wheel, helm.
 # Idempotent: a finished step is skipped on the next run (a stamp file per step).
 set -euo pipefail
 
@@ -18,6 +19,9 @@ quiet_pip() { grep -v -e "^WARNING: Location 'file://" -e "^vllm 0.33.0 requires
 need_apt=()
 dpkg -s libibverbs1 >/dev/null 2>&1 || need_apt+=(libibverbs1)
 command -v prometheus >/dev/null 2>&1 || need_apt+=(prometheus)
+command -v prometheus-alertmanager >/dev/null 2>&1 || need_apt+=(prometheus-alertmanager)
+# etcd for the HA masters' failover test; the package's service is not started here (tests run their own).
+command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "apt: ${need_apt[*]}"
   export DEBIAN_FRONTEND=noninteractive

@@ -1,9 +1,17 @@
-"""The alert rules load in promtool, fire and stay silent on the right series, each pointing to its runbook section."""
+"""The alert rules load in promtool, fire and stay silent on the right series, keep namespace, and each points to
+its runbook section; the inhibit rules that go with them mute what they should in a real Alertmanager."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -17,6 +25,7 @@ DASHBOARDS = ROOT / "dashboards"
 RULES = DASHBOARDS / "alerts.rules.yaml"
 UNIT_TESTS = DASHBOARDS / "alerts.test.yaml"
 RUNBOOK = ROOT / "docs" / "runbook.md"
+INHIBIT = DASHBOARDS / "alertmanager-inhibit.yaml"
 
 import alerts  # noqa: E402
 import known_metrics as km  # noqa: E402
@@ -25,7 +34,11 @@ import queries as q  # noqa: E402
 
 REQUIRED = {"MooncakeLookupTimeouts", "MooncakeLookupErrorRatioHigh", "MooncakeLookupBreakerOpen",
             "MooncakeLookupPendingNearBound", "MooncakeLookupDeferredStepsHigh", "MooncakeLookupServerDown",
-            "MooncakeMasterUnreachable", "MooncakeMasterNearCapacity"}
+            "MooncakeLookupMetricsAbsent", "MooncakeMasterUnreachable", "MooncakeMasterReplaced",
+            "MooncakeMasterNearCapacity"}
+# Severity by reasoning (docs/runbook.md, "Severities and inhibitions"): only the master, whose loss empties the
+# store for every engine and blocks the worker's store calls, pages; every lookup failure is a miss.
+CRITICAL = {"MooncakeMasterUnreachable"}
 
 
 def _rules() -> list[dict]:
@@ -50,6 +63,15 @@ MUTATIONS = {
         "MooncakeLookupPendingNearBound", f"({q.gauge(MAX_PENDING.name, 'max', q.ALERT_BY, variables=None)} > 0)",
         str(KEYS_BY_NAME["lookup_max_pending"].default)),
     "rejections no longer alert": ("MooncakeLookupPendingNearBound", "\nor\n", "\nunless\n"),
+    "namespace dropped from the grouping": ("MooncakeLookupErrorRatioHigh", "namespace, pod, job", "pod, job"),
+    "capacity at a fixed share, not the watermark": (
+        "MooncakeMasterNearCapacity", f"{alerts.WATERMARK_SHARE} * {alerts.EVICTION_WATERMARK}", "0.9"),
+    "a vanished master goes unnoticed": ("MooncakeMasterUnreachable", "\nor\n", "\nand\n"),
+    "a crash-looping master goes unnoticed": (
+        "MooncakeMasterUnreachable", f"avg_over_time(up[{alerts.WINDOW}]) < {alerts.UP_SHARE}", "up == 0"),
+    "a lost index is taken for a quiet store": (
+        "MooncakeMasterReplaced", f"< {alerts.INDEX_LOST_SHARE} *", "< 0.001 *"),
+    "engines without the plugin go unnoticed": ("MooncakeLookupMetricsAbsent", "(up == 1)", "(up == 2)"),
 }
 
 
@@ -85,7 +107,7 @@ def test_required_alerts_exist_with_severity_and_annotations():
     names = [r["alert"] for r in rules]
     assert REQUIRED <= set(names) and len(names) == len(set(names))
     for r in rules:
-        assert r["labels"]["severity"] in ("warning", "critical"), r["alert"]
+        assert r["labels"]["severity"] == ("critical" if r["alert"] in CRITICAL else "warning"), r["alert"]
         ann = r["annotations"]
         assert ann["summary"] and ann["description"], r["alert"]
         assert ann["runbook_url"] == f"{alerts.RUNBOOK_BASE}#{r['alert'].lower()}"
@@ -130,3 +152,119 @@ def test_unit_tests_cover_every_alert_firing_and_silent():
     assert fired == names, f"never shown firing: {names - fired}"
     # Silence is shown by an empty case or by a neighbour series that is absent from a firing case.
     assert len(silent) >= 5
+
+
+def test_every_alert_expression_keeps_namespace():
+    """Every grouping (by / on) names namespace, nothing drops labels wholesale, and the unit tests show it kept."""
+    for r in _rules():
+        expr = r["expr"]
+        assert not re.search(r"\b(without|ignoring)\s*\(", expr), r["alert"]
+        groupings = re.findall(r"\b(by|on)\s*\(([^)]*)\)", expr)
+        assert groupings, r["alert"]
+        for _, labels in groupings:
+            assert "namespace" in [x.strip() for x in labels.split(",")], (r["alert"], labels)
+        # An aggregation without a grouping keeps no labels at all.
+        assert not re.search(r"\b(sum|max|min|avg|count|group)\s*\(", expr.replace("histogram_quantile(", "")), (
+            r["alert"], "aggregation without by (...)")
+    doc = yaml.safe_load(UNIT_TESTS.read_text())
+    with_namespace = set()
+    for test in doc["tests"]:
+        for case in test["alert_rule_test"]:
+            for alert in case["exp_alerts"]:
+                if "namespace" in alert["exp_labels"]:
+                    with_namespace.add(case["alertname"])
+    assert with_namespace == {r["alert"] for r in _rules()}
+
+
+def test_capacity_alert_carries_the_watermark_marker_the_chart_replaces():
+    [rule] = [r for r in _rules() if r["alert"] == "MooncakeMasterNearCapacity"]
+    assert rule["expr"].endswith(f"> {alerts.WATERMARK_SHARE} * {alerts.EVICTION_WATERMARK} {alerts.WATERMARK_MARKER}")
+    assert RULES.read_text().count(alerts.WATERMARK_MARKER) == 2  # the rule and the header that explains it
+
+
+# -- Inhibitions, in a real Alertmanager -------------------------------------------------------------------
+
+def test_inhibit_rules_file_is_generated_and_names_only_real_alerts():
+    doc = yaml.safe_load(INHIBIT.read_text())
+    names = {r["alert"] for r in _rules()}
+    assert len(doc["inhibit_rules"]) == len(alerts.INHIBITIONS)
+    for rule in doc["inhibit_rules"]:
+        assert "namespace" in rule["equal"]
+        for key in ("source_matchers", "target_matchers"):
+            (matcher,) = rule[key]
+            listed = set(re.fullmatch(r'alertname=~"(.*)"', matcher).group(1).split("|"))
+            assert listed and listed <= names, listed - names
+    text = RUNBOOK.read_text()
+    for inh in alerts.INHIBITIONS:
+        assert inh.why in text, f"docs/runbook.md does not explain the inhibition: {inh.why}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _am(url: str, path: str, body: list | None = None) -> object:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"},
+                                 method="POST" if body is not None else "GET")
+    with urllib.request.urlopen(req, timeout=5) as reply:
+        raw = reply.read()
+    return json.loads(raw) if raw else None
+
+
+def test_inhibit_rules_mute_symptoms_in_the_same_namespace_only(require_tool, tmp_path):
+    """A firing MooncakeMasterUnreachable mutes lookup timeouts of its namespace, not of another one."""
+    binary = require_tool("prometheus-alertmanager")
+    inhibit = yaml.safe_load(INHIBIT.read_text())["inhibit_rules"]
+    config = {"route": {"receiver": "null", "group_by": ["namespace"]}, "receivers": [{"name": "null"}],
+              "inhibit_rules": inhibit}
+    (tmp_path / "am.yml").write_text(yaml.safe_dump(config))
+    check = subprocess.run([shutil.which("amtool") or binary.replace("prometheus-alertmanager", "amtool"),
+                            "check-config", str(tmp_path / "am.yml")], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+    port = _free_port()
+    proc = subprocess.Popen([binary, f"--config.file={tmp_path / 'am.yml'}", f"--storage.path={tmp_path / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # poll until the API answers (bounded)
+            try:
+                _am(url, "/api/v2/status")
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert proc.poll() is None, proc.stderr.read().decode()
+                assert time.monotonic() < deadline, "alertmanager did not start within 30 s"
+                time.sleep(0.1)
+        now = datetime.now(timezone.utc)
+        window = {"startsAt": now.isoformat(), "endsAt": (now + timedelta(minutes=10)).isoformat()}
+
+        def alert(name: str, namespace: str, severity: str) -> dict:
+            return {"labels": {"alertname": name, "namespace": namespace, "severity": severity, "job": "x"},
+                    **window}
+
+        _am(url, "/api/v2/alerts", [alert("MooncakeMasterUnreachable", "serving", "critical"),
+                                    alert("MooncakeLookupTimeouts", "serving", "warning"),
+                                    alert("MooncakeLookupTimeouts", "other", "warning"),
+                                    alert("MooncakeMasterNearCapacity", "serving", "warning")])
+        deadline = time.monotonic() + 30
+        while True:  # inhibition is evaluated as alerts are listed; poll until all four are there (bounded)
+            listed = _am(url, "/api/v2/alerts")
+            state = {(a["labels"]["alertname"], a["labels"]["namespace"]): a["status"] for a in listed}
+            if len(state) == 4 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        muted = {key for key, status in state.items() if status["inhibitedBy"]}
+        assert muted == {("MooncakeLookupTimeouts", "serving"), ("MooncakeMasterNearCapacity", "serving")}, state
+        assert state[("MooncakeLookupTimeouts", "other")]["state"] == "active"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        proc.stderr.close()

@@ -21,7 +21,7 @@ import lint  # noqa: E402
 import queries as q  # noqa: E402
 
 FILES = (generate.OVERVIEW_JSON, generate.TUNING_JSON)
-REQUIRED_VARS = ("datasource", "job", "model_name", "instance", "engine")
+REQUIRED_VARS = ("datasource", "namespace", "job", "pod", "model_name", "instance", "engine")
 
 
 def _load(name: str) -> dict:
@@ -121,6 +121,8 @@ def test_the_query_checks_catch_bad_queries():
         "vllm:mooncake_lookup_requests_total"]
     assert lint.unguarded_divisions("sum(a{x=\"1\"}) / sum(b{x=\"1\"})")
     assert lint.unguarded_divisions("(a{x=\"1\"})\n/\n(b{x=\"1\"} > 0)") == []
+    # A PromQL comment is not a metric name.
+    assert lint.bare_names('a{x="1"} > 0.9 # eviction_high_watermark_ratio') == []
     assert lint.selectors('m{job=~"$job", outcome="hit"}') == [("m", {"job": ("=~", "$job"), "outcome": ("=", "hit")})]
 
 
@@ -169,8 +171,60 @@ def test_known_vllm_metrics_exist_in_vllm():
 
     spec = importlib.util.find_spec("vllm")  # locate without importing (a cold import takes ~10 s)
     assert spec is not None and spec.origin
-    source = (Path(spec.origin).parent / "v1" / "metrics" / "loggers.py").read_text()
+    vllm_dir = Path(spec.origin).parent
+    source = (vllm_dir / "v1" / "metrics" / "loggers.py").read_text()
     for name in km.VLLM_COUNTERS + km.VLLM_GAUGES:
         assert f'name="{name}"' in source, f"vLLM no longer registers {name}"
-    expected = {n + "_total" for n in km.VLLM_COUNTERS} | set(km.VLLM_GAUGES)
+    # The Mooncake store connector's own metrics (worker store operations); its counters are named with _total.
+    store = (vllm_dir / "distributed" / "kv_transfer" / "kv_connector" / "v1" / "mooncake" / "store"
+             / "metrics.py").read_text()
+    for name in km.VLLM_STORE_OP_COUNTERS + km.VLLM_STORE_OP_HISTOGRAMS:
+        assert f'name="{name}"' in store, f"vLLM's Mooncake store connector no longer registers {name}"
+    assert '+ ["operation", "status"]' in store  # the labels the store panels group by
+    expected = ({n + "_total" for n in km.VLLM_COUNTERS} | set(km.VLLM_GAUGES) | set(km.VLLM_STORE_OP_COUNTERS)
+                | {km.STORE_OP_SECONDS + s for s in ("_bucket", "_sum", "_count")})
     assert km.VLLM_SERIES == expected
+
+
+def test_variable_queries_are_cheap_and_name_their_sources_exactly(dashboards):
+    """No variable query matches series names by pattern: each names small gauges exactly (one series per process)."""
+    from mooncake_lookout.metrics.catalogue import CATALOGUE
+
+    import variables as v
+
+    by_name = {spec.name: spec for spec in CATALOGUE}
+    for source in v.VARIABLE_SOURCES:
+        spec = by_name[source]
+        assert spec.kind == "gauge" and "outcome" not in spec.labels and "status" not in spec.labels, source
+    assert {by_name[s].side for s in v.VARIABLE_SOURCES} == {"client", "server"}  # clients and servers both listed
+    for name, d in dashboards.items():
+        for var in d["templating"]["list"]:
+            if var["type"] != "query":
+                continue
+            selector = var["query"].removeprefix("label_values(").rsplit(",", 1)[0]
+            name_matchers = re.findall(r'__name__=~"([^"]*)"', selector)
+            for pattern in name_matchers:
+                names = pattern.split("|")
+                assert all(re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", n) for n in names), (name, var["name"], pattern)
+                assert set(names) == set(v.VARIABLE_SOURCES), (name, var["name"])
+            if not name_matchers:
+                assert re.match(r"^[a-zA-Z_:][a-zA-Z0-9_:]*(\{|$)", selector), (name, var["name"], selector)
+
+
+def test_namespace_and_pod_filter_every_lookup_query(dashboards):
+    variables = {v["name"] for v in dashboards[generate.OVERVIEW_JSON]["templating"]["list"]}
+    assert {"namespace", "pod"} <= variables
+    assert {"namespace", "pod"} <= set(q.LOOKUP_VARS)
+    # Chained: the job list is narrowed by the chosen namespace, the pod list by namespace and job.
+    chain = {v["name"]: v["query"] for v in dashboards[generate.OVERVIEW_JSON]["templating"]["list"]}
+    assert "$namespace" in chain["job"] and "$job" in chain["pod"] and "$namespace" in chain["pod"]
+
+
+def test_store_operation_panels_chart_every_store_operation_series(dashboards):
+    overview = dashboards[generate.OVERVIEW_JSON]
+    (row,) = [p for p in overview["panels"] if p["type"] == "row" and p["title"].startswith("Store operations")]
+    assert row["collapsed"] and len(row["panels"]) >= 4
+    read = {m for panel in row["panels"] for t in panel["targets"] for m, _ in lint.selectors(t["expr"])}
+    assert read == km.STORE_OP_SERIES - {km.STORE_OP_SECONDS + "_sum", km.STORE_OP_SECONDS + "_count"}
+    exprs = " ".join(t["expr"] for panel in row["panels"] for t in panel["targets"])
+    assert "by (le, operation)" in exprs and "by (operation, status)" in exprs

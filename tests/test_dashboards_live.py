@@ -50,9 +50,13 @@ def stack(prometheus_binary: str) -> Iterator[LiveStack]:
 
 
 def _needs_data(run: QueryRun) -> bool:
-    """Queries on our catalogue and on the master must return data; vLLM's own series may be absent here."""
+    """Queries on our catalogue, on the master and on vLLM's store operations (the stack feeds vLLM's own store
+    metrics with its real store calls) must return data; vLLM's other series may be absent here. Failed store
+    operations need a failing store: none here."""
     names = {m for m, _ in lint.selectors(run.expr)}
-    return not (names & km.VLLM_SERIES)
+    if 'status="error"' in run.expr or names & {km.STORE_OP_FAILED_KEYS}:
+        return False
+    return not (names & (km.VLLM_SERIES - km.STORE_OP_SERIES))
 
 
 def _poll_runs(stack: LiveStack, values_for) -> list[QueryRun]:

@@ -1,6 +1,7 @@
-"""The chart's two images (docker/*.Dockerfile): they parse, have the stages we mean, install exactly
-pyproject.toml's pins and agree with the chart (user, ports, entrypoint). No container engine runs here, so
-the files are parsed, not built; docs/helm.md says how to build and push them.
+"""The chart's two images (docker/*.Dockerfile) and the workflow that publishes them: they parse, have the stages
+we mean, install exactly pyproject.toml's pins, the engine's Mooncake wheel is the variant built for vLLM's CUDA,
+and they agree with the chart (user, ports, entrypoint, repositories, tag). No container engine runs here, so the
+files are parsed, not built; docs/helm.md says how to build and push them.
 """
 
 from __future__ import annotations
@@ -125,6 +126,29 @@ def test_parser_rejects_what_docker_would():
         ("RUN", "echo 1 done")]
 
 
+def pip_uninstalls(stage: Stage) -> list[str]:
+    """Packages given to `pip uninstall` in a stage's RUN instructions, in order."""
+    found: list[str] = []
+    for keyword, rest in stage.instructions:
+        if keyword != "RUN":
+            continue
+        for command in re.split(r"&&|;", rest):
+            tokens = shlex.split(command)
+            if "pip" in tokens and "uninstall" in tokens:
+                found += [t for t in tokens[tokens.index("uninstall") + 1:] if not t.startswith("-")]
+    return found
+
+
+def vllm_cuda_major() -> int:
+    """The CUDA major version the installed vLLM wheel (the one the image carries) is built for, from its pins."""
+    import importlib.metadata
+
+    requires = importlib.metadata.requires("vllm") or []
+    majors = {int(m) for r in requires for m in re.findall(r"\[cu(\d+)\]", r)}
+    assert len(majors) == 1, f"vLLM's requirements name CUDA {majors or 'nothing'}"
+    return majors.pop()
+
+
 def test_engine_image_is_the_pinned_vllm_image_with_mooncake_cuda_and_our_wheel():
     assert [s.name for s in ENGINE.stages] == ["wheel", "engine"]
     wheel, engine = ENGINE.stages
@@ -132,11 +156,27 @@ def test_engine_image_is_the_pinned_vllm_image_with_mooncake_cuda_and_our_wheel(
     assert engine.base == "vllm/vllm-openai:v" + PINS["vllm"].split("==")[1]
     # Exactly the Mooncake CUDA wheel pin and this package's wheel, nothing else.
     installs = pip_installs(engine)
-    assert installs[0] == PINS["mooncake-transfer-engine"]
+    assert installs[0] == PINS["mooncake-transfer-engine-cuda13"]
     assert len(installs) == 2 and re.fullmatch(r"/tmp/dist/mooncake_lookout-\*\.whl", installs[1])
     assert of(engine, "COPY") == ["--from=wheel /dist/ /tmp/dist/"]
     # The wheel stage builds from the source tree, without dependencies.
     assert any("pip wheel" in r and "--no-deps" in r for r in of(wheel, "RUN"))
+
+
+def test_engine_mooncake_variant_matches_vllms_cuda():
+    """vLLM 0.33.0 is built for CUDA 13 (cu13 extras); Mooncake's CUDA 13 build is the -cuda13 variant (the plain
+    wheel is CUDA 12). Whatever variant vLLM's image brings is removed first: both own the same files."""
+    major = vllm_cuda_major()
+    assert major == 13
+    (engine_stage,) = [s for s in ENGINE.stages if s.name == "engine"]
+    mooncake = pip_installs(engine_stage)[0]
+    assert mooncake.startswith(f"mooncake-transfer-engine-cuda{major}==")
+    assert set(pip_uninstalls(engine_stage)) == {"mooncake-transfer-engine", "mooncake-transfer-engine-cuda13"}
+    # The uninstall comes before the install, in the same layer.
+    (run,) = [rest for k, rest in engine_stage.instructions if k == "RUN" and "uninstall" in rest]
+    assert run.index("uninstall") < run.index("install --no-cache-dir")
+    # Client and master run the same Mooncake version.
+    assert mooncake.split("==")[1] == pip_installs(MASTER.stages[0])[0].split("==")[1]
 
 
 def test_engine_entrypoint_matches_the_chart_command():
@@ -171,7 +211,8 @@ def test_master_image_installs_the_pinned_wheel_and_runs_as_the_charts_user():
     (stage,) = MASTER.stages
     assert stage.base.startswith("python:3.11-")
     assert pip_installs(stage) == [PINS["mooncake-transfer-engine-non-cuda"]]
-    assert PINS["mooncake-transfer-engine-non-cuda"].split("==")[1] == PINS["mooncake-transfer-engine"].split("==")[1]
+    cpu, gpu = PINS["mooncake-transfer-engine-non-cuda"], PINS["mooncake-transfer-engine-cuda13"]
+    assert cpu.split("==")[1] == gpu.split("==")[1]
     (user,) = of(stage, "USER")
     uid, _, gid = user.partition(":")
     assert int(uid) != 0 and int(uid) == VALUES["master"]["podSecurityContext"]["runAsUser"]
@@ -186,3 +227,42 @@ def test_chart_annotations_name_the_versions_the_images_install():
     meta = yaml.safe_load((CHART / "Chart.yaml").read_text())["annotations"]
     assert ENGINE.stages[-1].base.endswith("v" + meta["mooncake-lookout/vllm-version"])
     assert pip_installs(MASTER.stages[0])[0].endswith("==" + meta["mooncake-lookout/mooncake-version"])
+
+
+# -- the workflow that builds and publishes them ------------------------------------------------------------
+
+WORKFLOW = ROOT / ".github" / "workflows" / "images.yml"
+
+
+def test_workflow_builds_both_images_where_the_chart_pulls_them_from():
+    doc = yaml.safe_load(WORKFLOW.read_text())
+    triggers = doc.get("on", doc.get(True))  # YAML 1.1 reads a bare `on` as true
+    assert triggers["push"]["tags"] == ["v*"] and "pull_request" in triggers
+    assert doc["permissions"]["packages"] == "write"
+    (job,) = doc["jobs"].values()
+    builds = {m["image"]: m for m in job["strategy"]["matrix"]["include"]}
+    # Each Dockerfile with the build context its header names (engine: the repository root; master: docker/).
+    assert builds["engine"] == {"image": "engine", "file": "docker/engine.Dockerfile", "context": "."}
+    assert builds["master"] == {"image": "master", "file": "docker/master.Dockerfile", "context": "docker"}
+    for name, build in builds.items():
+        header = (ROOT / build["file"]).read_text()
+        assert f"-f {build['file']} " in header and header.split(f"-f {build['file']} ", 1)[1].split("\n")[0].endswith(
+            f" {build['context']}"), name
+    # Tagged <owner>/<image>:<version>: the chart's default repositories, with the appVersion as tag.
+    steps = job["steps"]
+    push = next(s for s in steps if s.get("uses", "").startswith("docker/build-push-action"))
+    assert push["with"]["tags"] == ("ghcr.io/${{ steps.meta.outputs.owner }}/${{ matrix.image }}:"
+                                    "${{ steps.meta.outputs.version }}")
+    for component in ("engine", "master"):
+        repository = VALUES[component]["image"]["repository"]
+        assert repository.startswith("ghcr.io/") and repository.rsplit("/", 1)[1] == component
+    meta = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert meta["appVersion"] == PROJECT["version"]
+    meta_step = next(s for s in steps if s.get("id") == "meta")
+    assert "['project']['version']" in meta_step["run"]
+    # Only a release tag that names that version publishes; pull requests only build.
+    assert push["with"]["push"] == "${{ startsWith(github.ref, 'refs/tags/') }}"
+    login = next(s for s in steps if s.get("uses", "").startswith("docker/login-action"))
+    assert login["if"] == "startsWith(github.ref, 'refs/tags/')"
+    check = next(s for s in steps if "A release tag" in s.get("name", ""))
+    assert "${GITHUB_REF_NAME#v}" in check["run"] and "steps.meta.outputs.version" in check["run"]

@@ -30,11 +30,13 @@ CRD_GROUP = "monitoring.coreos.com/v1"
 
 @pytest.fixture(scope="module")
 def rendered() -> dict[tuple[str, str], list[dict[str, Any]]]:
-    """Every value set rendered for every Kubernetes version, by (set name, version)."""
+    """Every value set rendered for every Kubernetes version, by (set name, version), for a cluster that serves
+    the Prometheus Operator's CRDs (so the monitoring objects render too)."""
     out = {}
     for name, path in VALUE_SETS.items():
         for version in KUBE_VERSIONS:
-            out[(name, version)] = chart.template([path] if path else [], kube_version=version)
+            out[(name, version)] = chart.template([path] if path else [], kube_version=version,
+                                                  api_versions=[chart.MONITORING_API])
     return out
 
 
@@ -65,7 +67,8 @@ def values_of(name: str) -> dict[str, Any]:
 
 
 def test_the_ci_value_sets_the_issue_asks_for_exist():
-    assert {"monitoring-off", "async-budget", "external-master", "pipelined"} <= set(VALUE_SETS)
+    assert {"monitoring-off", "async-budget", "external-master", "pipelined", "ha", "ha-k8s",
+            "external-ha-master"} <= set(VALUE_SETS)
 
 
 def test_a_missing_helm_is_a_clear_error_not_a_skip(monkeypatch, tmp_path):
@@ -153,24 +156,30 @@ def test_engine_points_at_the_master_service_by_name(rendered):
     assert env["MOONCAKE_CONFIG_PATH"] == mount["mountPath"] + "/mooncake.json"
 
 
-def test_external_master_deploys_no_master_and_points_the_engine_at_it(rendered):
-    objects = rendered[("external-master", "1.32.0")]
+@pytest.mark.parametrize("name", ["external-master", "external-ha-master"])
+def test_external_master_deploys_no_master_and_points_the_engine_at_it(rendered, name):
+    objects = rendered[(name, "1.32.0")]
     assert not [o for o in objects if o["metadata"]["name"].endswith("-master")]
     mooncake = json.loads(chart.one(objects, "ConfigMap", "-engine")["data"]["mooncake.json"])
-    external = values_of("external-master")["master"]["external"]
+    external = values_of(name)["master"]["external"]
     assert mooncake["master_server_address"] == external["address"]
     env = {e["name"]: e["value"] for e in chart.one(objects, "Pod", "-test")["spec"]["containers"][0]["env"]}
     assert env["MASTER_HEALTH_URL"] == external["healthUrl"] and env["MASTER_ADDRESS"] == external["address"]
+    # An external HA store's name reaches the store client (MC_STORE_CLUSTER_ID), and only when it is set.
+    engine_env = {e["name"]: e.get("value") for e in engine_container(objects)["env"]}
+    cluster_id = values_of(name)["master"]["ha"]["clusterId"]
+    assert engine_env.get("MC_STORE_CLUSTER_ID") == (cluster_id or None)
 
 
 def test_master_flags_come_from_values(rendered):
     for name in VALUE_SETS:
-        if name == "external-master":
+        if name.startswith("external"):
             continue
         master = values_of(name)["master"]
         (container,) = chart.one(rendered[(name, "1.32.0")], "Deployment", "-master")["spec"]["template"]["spec"][
             "containers"]
         flags = dict(a.removeprefix("--").split("=", 1) for a in container["args"])
+        assert ("enable_ha" in flags) == master["ha"]["enabled"], name
         assert flags["rpc_port"] == str(master["rpcPort"]) and flags["metrics_port"] == str(master["metricsPort"])
         assert flags["default_kv_lease_ttl"] == master["defaultKvLeaseTtl"]
         assert float(flags["eviction_high_watermark_ratio"]) == master["evictionHighWatermarkRatio"]
@@ -198,7 +207,10 @@ def test_engine_probes_ports_shm_tracing_and_scheduling(rendered):
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["OTEL_TRACES_SAMPLER"] == values["tracing"]["sampler"]
     assert env["OTEL_TRACES_SAMPLER_ARG"] == values["tracing"]["samplerArg"]
-    assert "HF_TOKEN" in env  # user env appended
+    # Lookup spans need an exporter named and the one protocol whose exporter the package installs.
+    assert env["OTEL_TRACES_EXPORTER"] == "otlp" and env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
+    assert env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] == values["tracing"]["otlpEndpoint"]
+    assert env["VLLM_LOGGING_LEVEL"] == "INFO"  # user env appended
     assert pod["nodeSelector"] == values["nodeSelector"] and pod["tolerations"] == values["tolerations"]
     assert pod["affinity"] == values["affinity"]
     assert arg_after(container, "--served-model-name") == values["servedModelName"]
@@ -211,16 +223,23 @@ def test_engine_probes_ports_shm_tracing_and_scheduling(rendered):
 
 def test_every_container_drops_privileges(rendered):
     for (name, _), objects in rendered.items():
+        release_sa = chart.one(objects, "ServiceAccount", "-lookout")["metadata"]["name"]
         for obj in objects:
-            spec = obj["spec"]["template"]["spec"] if obj["kind"] == "Deployment" else obj.get("spec", {})
-            if obj["kind"] not in ("Deployment", "Pod"):
+            if obj["kind"] not in ("Deployment", "StatefulSet", "Pod"):
                 continue
+            spec = obj["spec"]["template"]["spec"] if obj["kind"] != "Pod" else obj["spec"]
             assert spec["securityContext"]["runAsNonRoot"] is True, (name, obj["metadata"]["name"])
             for container in spec["containers"]:
                 sc = container["securityContext"]
                 assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
-            assert spec["automountServiceAccountToken"] is False
-            assert spec["serviceAccountName"] == chart.one(objects, "ServiceAccount")["metadata"]["name"]
+            k8s_masters = obj["metadata"]["name"].endswith("-master") and values_of(name)["master"]["ha"]["enabled"] \
+                and values_of(name)["master"]["ha"]["backend"] == "k8s"
+            if k8s_masters:  # the k8s election backend calls the API, with an account of its own
+                assert spec["automountServiceAccountToken"] is True
+                assert spec["serviceAccountName"] == obj["metadata"]["name"] != release_sa
+            else:
+                assert spec["automountServiceAccountToken"] is False, (name, obj["metadata"]["name"])
+                assert spec["serviceAccountName"] == release_sa
 
 
 def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
@@ -269,16 +288,35 @@ def test_network_policy_monitoring_pod_selector_and_switches(rendered):
     assert not chart.find(rendered[("external-master", "1.32.0")], "NetworkPolicy")
 
 
+def _pod_templates(objects: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    """Pod labels by component, from every workload and pod of the release."""
+    out = {}
+    for obj in objects:
+        if obj["kind"] in ("Deployment", "StatefulSet"):
+            labels = obj["spec"]["template"]["metadata"]["labels"]
+        elif obj["kind"] == "Pod":
+            labels = obj["metadata"]["labels"]
+        else:
+            continue
+        out[labels["app.kubernetes.io/component"]] = labels
+    return out
+
+
 def test_services_select_their_pods(rendered):
     for name in VALUE_SETS:
         objects = rendered[(name, "1.32.0")]
+        pods = _pod_templates(objects)
         for service in chart.find(objects, "Service"):
-            suffix = "-" + service["metadata"]["name"].rsplit("-", 1)[1]
-            labels = _pod_labels(objects, suffix)
-            assert _selects({"matchLabels": service["spec"]["selector"]}, labels)
-            others = [_pod_labels(objects, s) for s in ("-engine", "-master", "-test") if s != suffix
-                      and chart.find(objects, "Deployment", s) + chart.find(objects, "Pod", s)]
-            assert not any(_selects({"matchLabels": service["spec"]["selector"]}, o) for o in others)
+            component = service["metadata"]["labels"]["app.kubernetes.io/component"]
+            selector = {"matchLabels": service["spec"]["selector"]}
+            own = dict(pods[component])
+            if service["metadata"]["name"].endswith("-master-leader"):
+                # Selects only the master that Mooncake's k8s backend labels leader at run time.
+                assert not _selects(selector, own)
+                own["mooncake.io/store-role"] = "leader"
+            assert _selects(selector, own), (name, service["metadata"]["name"])
+            others = [labels for c, labels in pods.items() if c != component]
+            assert not any(_selects(selector, o) for o in others), (name, service["metadata"]["name"])
 
 
 def test_disruption_budgets(rendered):
@@ -327,7 +365,7 @@ def test_notes_render_for_every_value_set():
         notes = chart.render_notes([path] if path else [], release="notes")
         assert "vllm:mooncake_lookup_" in notes, name
         assert ("helm test notes -n serving" in notes) == values_of(name)["helmTest"]["enabled"], name
-        assert ("external" in notes) == (name == "external-master"), name
+        assert ("external" in notes) == name.startswith("external"), name
 
 
 def test_packaged_chart_follows_the_dashboards_link_and_keeps_only_what_templates_read(tmp_path):

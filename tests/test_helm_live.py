@@ -1,16 +1,22 @@
-"""The chart's commands run for real: the master container's flags start a real mooncake_master, and the
-`helm test` hook's script checks a real /metrics endpoint and that master (all on 127.0.0.1).
+"""The chart's commands run for real: the master container's flags start a real mooncake_master (for every value
+set that deploys one, with the key lease the engines are told about), the store pods' flags start a real
+mooncake_client that lends its memory to that master, the engines' tracing variables send lookup spans to an
+OTLP/HTTP receiver, and the `helm test` hook's script checks a real /metrics endpoint and that master (all on
+127.0.0.1).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from http.server import ThreadingHTTPServer
@@ -164,8 +170,178 @@ def test_helm_test_script_fails_when_the_master_is_down(master):
     assert by_rpc.returncode == 1 and f"127.0.0.1:{dead}" in by_rpc.stderr
 
 
+def test_helm_test_script_reaches_an_ha_store_through_its_first_etcd_endpoint(master):
+    server, url = metrics_server(CLIENT_SPECS)
+    with socket.create_server(("127.0.0.1", 0)) as etcd:  # a listening endpoint in the etcd:// form's first slot
+        port = etcd.getsockname()[1]
+        try:
+            ok = run_check({"ENGINE_METRICS_URL": url,
+                            "MASTER_ADDRESS": f"etcd://127.0.0.1:{port};127.0.0.1:{free_port()}"})
+            dead = free_port()
+            down = run_check({"ENGINE_METRICS_URL": url, "MASTER_ADDRESS": f"etcd://127.0.0.1:{dead}"})
+        finally:
+            server.shutdown()
+            server.server_close()
+    assert ok.returncode == 0, ok.stderr
+    assert down.returncode == 1 and f"127.0.0.1:{dead}" in down.stderr
+
+
 def test_helm_test_script_fails_when_the_engine_is_unreachable(master):
     dead = free_port()
     done = run_check({"ENGINE_METRICS_URL": f"http://127.0.0.1:{dead}/metrics",
                       "MASTER_HEALTH_URL": f"http://127.0.0.1:{master['metrics']}/health"})
     assert done.returncode == 1 and "unreachable" in done.stderr
+
+
+# -- every value set's master, and the lease the engines are told about -------------------------------------
+
+def start_master(args: list[str]) -> tuple[subprocess.Popen, str]:
+    """A master with these flags until /health answers; returns it and its log so far (stopped by the caller)."""
+    metrics = next(int(a.split("=", 1)[1]) for a in args if a.startswith("--metrics_port="))
+    log = []
+    proc = subprocess.Popen([master_binary(), *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, MC_LOG_LEVEL="INFO"), start_new_session=True)
+
+    def pump() -> None:
+        for line in proc.stderr:
+            log.append(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    poll(lambda: proc.poll() is not None or http_ok(f"http://127.0.0.1:{metrics}/health"),
+         what="mooncake_master /health")
+    return proc, log
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+SINGLE_MASTER_SETS = sorted(n for n, p in chart.ci_value_sets().items()
+                            if not n.startswith("external") and not n.startswith("ha")) + ["default"]
+
+
+@pytest.mark.parametrize("name,lease", [(n, "10s") for n in SINGLE_MASTER_SETS]
+                         + [("default", "1500ms"), ("default", "7000")])
+def test_every_sets_master_starts_with_the_lease_the_engines_are_told(name, lease):
+    rpc, metrics = free_port(), free_port()
+    path = chart.ci_value_sets().get(name)
+    objects = chart.template([path] if path else [], sets={
+        "master.rpcPort": str(rpc), "master.metricsPort": str(metrics), "master.defaultKvLeaseTtl": json.dumps(lease)})
+    (container,) = chart.one(objects, "Deployment", "-master")["spec"]["template"]["spec"]["containers"]
+    args = [a.replace("=0.0.0.0", "=127.0.0.1") for a in container["args"]]
+    told = chart.one(objects, "Deployment", "-engine")["spec"]["template"]["metadata"]["annotations"][
+        "mooncake-lookout/master-lease-ms"]
+    proc, log = start_master(args)
+    try:
+        assert proc.poll() is None, f"mooncake_master rejected the chart's flags {args}: {''.join(log)[-2000:]}"
+        # The master states the lease it runs with (in ms) when it starts.
+        line = poll(lambda: next((x for x in list(log) if "default_kv_lease_ttl=" in x), None),
+                    what="the master's start-up line")
+        running = int(line.split("default_kv_lease_ttl=", 1)[1].split(",", 1)[0])
+        assert running == int(told), (lease, running, told)
+    finally:
+        stop(proc)
+
+
+# -- store-only pods ----------------------------------------------------------------------------------------
+
+def master_capacity(metrics_port: int) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    return int(float(next(x.split()[1] for x in text.splitlines() if x.startswith("master_total_capacity_bytes"))))
+
+
+def test_the_charts_store_pod_lends_its_segment_to_the_master(master):
+    """A store pod's rendered flags (master address, segment, P2P handshake) mount its memory on a real master."""
+    http_port, port = free_port(), free_port()
+    objects = chart.template(sets={"store.enabled": "true", "store.globalSegmentSize": '"64MB"',
+                                   "store.localBufferSize": '"0"', "store.httpPort": str(http_port),
+                                   "store.port": str(port), "master.rpcPort": str(master["rpc"])})
+    (c,) = chart.one(objects, "Deployment", "-store")["spec"]["template"]["spec"]["containers"]
+    rendered = json.loads(chart.one(objects, "ConfigMap", "-engine")["data"]["mooncake.json"])["master_server_address"]
+    args = [a.replace("$(POD_IP)", "127.0.0.1").replace(rendered, f"127.0.0.1:{master['rpc']}") for a in c["args"]]
+    assert f"--master_server_address=127.0.0.1:{master['rpc']}" in args  # the engines' address, moved here
+    binary = Path(master_binary()).with_name(c["command"][0])
+    before = master_capacity(master["metrics"])
+    proc = subprocess.Popen([str(binary), *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env=dict(os.environ, MC_LOG_LEVEL="ERROR"), start_new_session=True)
+    try:
+        poll(lambda: proc.poll() is not None or master_capacity(master["metrics"]) == before + 64 * 1024**2,
+             what="the store pod's segment on the master")
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        # Its probes answer on the port the chart names.
+        probe = c["readinessProbe"]["httpGet"]
+        assert probe["port"] == "http" and {"name": "http", "containerPort": http_port, "protocol": "TCP"} in c["ports"]
+        assert http_ok(f"http://127.0.0.1:{http_port}{probe['path']}")
+    finally:
+        stop(proc)
+        proc.stderr.close()
+
+
+# -- lookup spans with the chart's tracing variables --------------------------------------------------------
+
+SPANS = r"""
+import time
+from mooncake_lookout.connector.events import LookupRecord, ObserverSet, Outcome
+from mooncake_lookout.metrics.tracing import tracing_observer_from_env
+observer = tracing_observer_from_env()
+assert observer is not None, "tracing is off with the chart's variables"
+obs = ObserverSet([observer])
+rec = LookupRecord("cmpl-1", 64, 4, "pipelined", 0, time.perf_counter())
+obs.submitted(rec)
+rec.t_start = time.perf_counter(); obs.started(rec)
+rec.t_answer = time.perf_counter(); obs.answered(rec)
+rec.outcome, rec.hit_tokens, rec.t_consume = Outcome.HIT, 48, time.perf_counter()
+obs.consumed(rec)
+observer.shutdown()
+print("SENT")
+"""
+
+
+def test_the_charts_tracing_variables_send_lookup_spans_over_otlp_http():
+    from http.server import BaseHTTPRequestHandler
+
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    received: list[tuple[str, ExportTraceServiceRequest]] = []
+
+    class Receiver(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            msg = ExportTraceServiceRequest()
+            msg.ParseFromString(self.rfile.read(int(self.headers["Content-Length"])))
+            received.append((self.path, msg))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    objects = chart.template([chart.ci_value_sets()["async-budget"]],
+                             sets={"engine.tracing.samplerArg": '"1.0"'})  # sample every lookup here
+    (c,) = chart.one(objects, "Deployment", "-engine")["spec"]["template"]["spec"]["containers"]
+    otel = {e["name"]: e["value"] for e in c["env"] if e["name"].startswith("OTEL_")}
+    rendered = otel["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
+    otel["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = re.sub(r"^https?://[^/]+", f"http://127.0.0.1:{server.server_address[1]}",
+                                                        rendered)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")} | otel
+    try:
+        done = subprocess.run([sys.executable, "-c", SPANS], env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and "SENT" in done.stdout, done.stderr[-2000:]
+        poll(lambda: received, what="spans at the receiver")
+    finally:
+        server.shutdown()
+        server.server_close()
+    paths = {path for path, _ in received}
+    assert paths == {urllib.parse.urlparse(rendered).path} == {"/v1/traces"}
+    services = {a.value.string_value for _, msg in received for rs in msg.resource_spans
+                for a in rs.resource.attributes if a.key == "service.name"}
+    assert services == {otel["OTEL_SERVICE_NAME"]}
+    assert sum(len(ss.spans) for _, msg in received for rs in msg.resource_spans for ss in rs.scope_spans) >= 2

@@ -25,9 +25,14 @@ OPERATOR_SCRAPE_PROTOCOLS = {"PrometheusProto", "OpenMetricsText0.0.1", "OpenMet
 DURATION = re.compile(r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$")
 
 
+def with_crds(values_files=(), sets=None) -> list[dict[str, Any]]:
+    """The chart rendered for a cluster that serves the Prometheus Operator's CRDs."""
+    return chart.template(values_files, sets=sets, api_versions=[chart.MONITORING_API])
+
+
 @pytest.fixture(scope="module")
 def default() -> list[dict[str, Any]]:
-    return chart.template()
+    return with_crds()
 
 
 def dashboard_files() -> list[Path]:
@@ -81,10 +86,10 @@ def test_engine_is_scraped_in_the_classic_text_format_unless_told_otherwise(defa
     allowed = schema["properties"]["monitoring"]["properties"]["serviceMonitor"]["properties"]["scrapeProtocols"]
     assert set(allowed["items"]["enum"]) == OPERATOR_SCRAPE_PROTOCOLS
     chosen = ["OpenMetricsText1.0.0", "PrometheusText0.0.4"]
-    objects = chart.template(sets={"monitoring.serviceMonitor.scrapeProtocols": json.dumps(chosen)})
+    objects = with_crds(sets={"monitoring.serviceMonitor.scrapeProtocols": json.dumps(chosen)})
     assert chart.one(objects, "ServiceMonitor", "-engine")["spec"]["scrapeProtocols"] == chosen
     # An empty list leaves the field out: Prometheus negotiates as it would by default.
-    objects = chart.template(sets={"monitoring.serviceMonitor.scrapeProtocols": "[]"})
+    objects = with_crds(sets={"monitoring.serviceMonitor.scrapeProtocols": "[]"})
     assert "scrapeProtocols" not in chart.one(objects, "ServiceMonitor", "-engine")["spec"]
 
 
@@ -102,7 +107,7 @@ def test_master_pod_monitor_selects_the_master_pods(default):
 
 
 def test_master_service_monitor_variant_selects_the_master_service():
-    objects = chart.template([chart.ci_value_sets()["pipelined"]])
+    objects = with_crds([chart.ci_value_sets()["pipelined"]])
     assert not chart.find(objects, "PodMonitor")
     monitor = chart.one(objects, "ServiceMonitor", "-master")
     service = chart.one(objects, "Service", "-master")
@@ -112,16 +117,21 @@ def test_master_service_monitor_variant_selects_the_master_service():
 
 
 def test_monitor_labels_reach_the_objects():
+    # async-budget sets monitoring.release (and monitoring.enabled: true, so no capability is needed).
     objects = chart.template([chart.ci_value_sets()["async-budget"]])
-    for kind, suffix in (("ServiceMonitor", "-engine"), ("PrometheusRule", "")):
+    for kind, suffix in (("ServiceMonitor", "-engine"), ("PodMonitor", "-master"), ("PrometheusRule", "")):
         assert chart.one(objects, kind, suffix)["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    # Per-object labels add to it; without monitoring.release there is no release label at all.
+    objects = with_crds(sets={"monitoring.serviceMonitor.labels": '{"team": "infra"}'})
+    labels = chart.one(objects, "ServiceMonitor", "-engine")["metadata"]["labels"]
+    assert labels["team"] == "infra" and "release" not in labels
 
 
 def test_prometheus_rule_is_the_rule_file(default):
     rule = chart.one(default, "PrometheusRule")
     assert rule["apiVersion"] == CRD_API and set(rule["spec"]) == {"groups"}
     source = yaml.safe_load(RULES.read_text())
-    assert rule["spec"] == source
+    assert rule["spec"] == source  # the default watermark is the rule file's own (Mooncake's default)
     for group in rule["spec"]["groups"]:
         assert group["name"] and group["rules"]
         for r in group["rules"]:
@@ -135,7 +145,7 @@ def test_prometheus_rule_is_the_rule_file(default):
 
 def test_runbook_base_url_is_swapped_and_nothing_else():
     base = "https://runbooks.example.com/mooncake-lookout/runbook.md"
-    objects = chart.template(sets={"monitoring.prometheusRule.runbookBaseUrl": json.dumps(base)})
+    objects = with_crds(sets={"monitoring.prometheusRule.runbookBaseUrl": json.dumps(base)})
     rendered = chart.one(objects, "PrometheusRule")["spec"]
     source = yaml.safe_load(RULES.read_text())
     urls = []
@@ -177,7 +187,8 @@ def test_dashboard_label_folder_and_namespace_follow_values():
 
 
 def test_monitoring_off_renders_no_monitoring_objects():
-    objects = chart.template([chart.ci_value_sets()["monitoring-off"]])
+    # Off outright, even on a cluster that serves the CRDs.
+    objects = with_crds([chart.ci_value_sets()["monitoring-off"]])
     assert not [o for o in objects if o["apiVersion"] == CRD_API]
     assert not [o for o in chart.find(objects, "ConfigMap") if "grafana_dashboard" in o["metadata"]["labels"]]
     kinds = {o["kind"] for o in objects}
@@ -188,13 +199,61 @@ def test_each_monitor_switches_off_alone():
     for switch, gone in (("monitoring.serviceMonitor.enabled", ("ServiceMonitor", "-engine")),
                          ("monitoring.masterMonitor.enabled", ("PodMonitor", "-master")),
                          ("monitoring.prometheusRule.enabled", ("PrometheusRule", ""))):
-        objects = chart.template(sets={switch: "false"})
+        objects = with_crds(sets={switch: "false"})
         assert not chart.find(objects, *gone), switch
         assert len([o for o in objects if o["apiVersion"] == CRD_API]) == 2, switch
 
 
+def test_monitoring_objects_follow_the_clusters_capabilities():
+    """auto (the default): no monitoring.coreos.com objects unless the cluster serves the API; true forces them."""
+    def crd_kinds(objects):
+        return sorted(o["kind"] for o in objects if o["apiVersion"] == CRD_API)
+
+    assert chart.load_values()["monitoring"]["enabled"] == "auto"
+    assert crd_kinds(chart.template()) == []
+    assert crd_kinds(with_crds()) == ["PodMonitor", "PrometheusRule", "ServiceMonitor"]
+    assert crd_kinds(chart.template(sets={"monitoring.enabled": "true"})) == ["PodMonitor", "PrometheusRule",
+                                                                             "ServiceMonitor"]
+    assert crd_kinds(with_crds(sets={"monitoring.enabled": "false"})) == []
+    # The dashboards are plain ConfigMaps: they do not depend on the operator.
+    assert [o for o in chart.find(chart.template(), "ConfigMap") if "grafana_dashboard" in o["metadata"]["labels"]]
+    with pytest.raises(chart.HelmError, match="monitoring.enabled"):
+        chart.template(sets={"monitoring.enabled": '"yes"'})
+
+
+def test_notes_say_why_monitoring_is_off_and_ask_for_the_release_label():
+    notes = chart.render_notes()
+    assert "the cluster does not serve monitoring.coreos.com/v1" in notes
+    on = chart.render_notes([chart.ci_value_sets()["async-budget"]])
+    assert "engine ServiceMonitor: on" in on and "No release label" not in on
+
+
+def test_capacity_alert_follows_the_masters_eviction_watermark(tmp_path, promtool):
+    """The rendered rule compares with master.evictionHighWatermarkRatio: 78% allocated fires under a 0.8
+    watermark (threshold 76%), not under the default 0.9 (85.5%)."""
+    series = [{"series": 'master_allocated_bytes{namespace="store", job="m", instance="a:9003"}', "values": "78x30"},
+              {"series": 'master_total_capacity_bytes{namespace="store", job="m", instance="a:9003"}',
+               "values": "100x30"}]
+    results = {}
+    for watermark in (0.8, 0.9):
+        rules = chart.one(with_crds(sets={"master.evictionHighWatermarkRatio": str(watermark)}),
+                          "PrometheusRule")["spec"]
+        (expr,) = [r["expr"] for g in rules["groups"] for r in g["rules"] if r["alert"] == "MooncakeMasterNearCapacity"]
+        assert f"* {watermark} # eviction_high_watermark_ratio" in expr
+        folder = tmp_path / str(watermark)
+        folder.mkdir()
+        (folder / "rules.yaml").write_text(yaml.safe_dump(rules))
+        (folder / "test.yaml").write_text(yaml.safe_dump({
+            "rule_files": ["rules.yaml"], "evaluation_interval": "1m",
+            "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": [
+                {"eval_time": "20m", "alertname": "MooncakeMasterNearCapacity", "exp_alerts": []}]}]}))
+        run = promtool.run("test", "rules", "test.yaml", cwd=folder)
+        results[watermark] = run.returncode == 0  # passes when nothing fires
+    assert results == {0.8: False, 0.9: True}
+
+
 def test_rendered_rules_pass_promtool(tmp_path, promtool):
-    objects = chart.template(sets={"monitoring.prometheusRule.runbookBaseUrl": '"https://runbooks.example.com/r.md"'})
+    objects = with_crds(sets={"monitoring.prometheusRule.runbookBaseUrl": '"https://runbooks.example.com/r.md"'})
     path = tmp_path / "rendered.rules.yaml"
     path.write_text(yaml.safe_dump(chart.one(objects, "PrometheusRule")["spec"]))
     promtool.check_rules(path)

@@ -128,6 +128,20 @@ BAD_VALUES = [
      "monitoring.serviceMonitor.scrapeProtocols"),
     ({"engine.tracing.otlpEndpoint": '"collector:4317"'}, "engine.tracing.otlpEndpoint"),
     ({"engine.replica": "2"}, "replica"),
+    # Only the OTLP/HTTP exporter ships with the package: grpc would switch lookup spans off at start-up.
+    ({"engine.tracing.protocol": '"grpc"'}, "engine.tracing.protocol"),
+    # Two masters without HA would each hold a part of the index; HA needs a standby.
+    ({"master.replicas": "2"}, "master.replicas"),
+    ({"master.ha.enabled": "true"}, "master.replicas"),
+    ({"master.ha.enabled": "true", "master.replicas": "2", "master.ha.backend": '"zookeeper"'}, "master.ha.backend"),
+    ({"master.ha.enabled": "true", "master.replicas": "2", "master.ha.etcd.deploy": "false"},
+     "master.ha.etcd.endpoints"),
+    ({"master.ha.etcd.replicas": "2"}, "master.ha.etcd.replicas"),
+    ({"master.enabled": "false", "master.external.address": '"http://mc:50051"'}, "master.external.address"),
+    ({"monitoring.enabled": '"yes"'}, "monitoring.enabled"),
+    ({"engine.hfToken.secretName": '"Not_A_Name"'}, "engine.hfToken.secretName"),
+    ({"engine.modelCache.accessModes": '["ReadWriteSometimes"]'}, "engine.modelCache.accessModes"),
+    ({"store.globalSegmentSize": '"lots"'}, "store.globalSegmentSize"),
 ]
 
 
@@ -147,6 +161,12 @@ def test_the_same_values_render_when_correct():
                                    "master.enabled": "false",
                                    "master.external.address": '"mc.store:50051"'})
     assert chart.find(objects, "Deployment", "-engine")
+    objects = chart.template(sets={"master.enabled": "false",
+                                   "master.external.address": '"etcd://e1.store:2379;e2.store:2379"'})
+    assert chart.find(objects, "Deployment", "-engine")
+    objects = chart.template(sets={"master.ha.enabled": "true", "master.replicas": "2",
+                                   "master.ha.etcd.deploy": "false", "master.ha.etcd.endpoints": '["etcd.infra:2379"]'})
+    assert chart.find(objects, "Deployment", "-master")
 
 
 def test_docs_values_table_is_generated_from_the_schema():
@@ -172,4 +192,4 @@ def test_chart_app_version_is_the_package_version():
     pins = dict(dep.split("==", 1) for group in project["optional-dependencies"].values() for dep in group
                 if "==" in dep)
     assert meta["annotations"]["mooncake-lookout/vllm-version"] == pins["vllm"]
-    assert meta["annotations"]["mooncake-lookout/mooncake-version"] == pins["mooncake-transfer-engine"]
+    assert meta["annotations"]["mooncake-lookout/mooncake-version"] == pins["mooncake-transfer-engine-cuda13"]

@@ -93,7 +93,7 @@ def test_values_reach_vllm_as_set(parsed):
     got = parsed["async-budget"]
     assert got["model_tag"] == chart.load_values()["engine"]["model"]
     assert got["served_model_name"] == ["qwen-small"]
-    assert got["otlp_traces_endpoint"] == "http://otel-collector.monitoring:4317"
+    assert got["otlp_traces_endpoint"] == "http://otel-collector.monitoring:4318/v1/traces"
     assert got["max_model_len"] == 8192 and got["gpu_memory_utilization"] == 0.85
     extra = got["kv_connector_extra_config"]
     assert extra["lookup_async"] is True and extra["lookup_wait_us"] == 200 and extra["lookup_timeout_ms"] == 25.5
@@ -111,3 +111,6 @@ def test_mooncake_json_is_read_by_vllms_loader_as_set(parsed):
     assert pipelined["global_segment_size"] == 16 * 1024**3
     external = parsed["external-master"]["mooncake"]
     assert external["master_server_address"] == "mooncake-master.store.svc.cluster.local:50051"
+    # HA masters: vLLM hands Mooncake the etcd:// form as it is (Mooncake's client resolves the leader from it).
+    assert parsed["ha"]["mooncake"]["master_server_address"].startswith("etcd://")
+    assert parsed["external-ha-master"]["mooncake"]["master_server_address"].startswith("etcd://")

@@ -104,7 +104,7 @@ def _schema_kind(schema: dict[str, Any]) -> str:
     """A short type description: type plus enum, limits or pattern."""
     text = schema.get("type", "any")
     if "enum" in schema:
-        return f"{text}: {' / '.join(str(v) for v in schema['enum'])}"
+        return f"{text}: {' / '.join(v if isinstance(v, str) else json.dumps(v) for v in schema['enum'])}"
     low = ("> " + str(schema["exclusiveMinimum"])) if "exclusiveMinimum" in schema else (
         (">= " + str(schema["minimum"])) if "minimum" in schema else "")
     high = ("<= " + str(schema["maximum"])) if "maximum" in schema else ""

@@ -18,6 +18,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "mooncake-lookout"
 CI_VALUES = CHART / "ci"
+# The API group/version the Prometheus Operator's CRDs serve: with monitoring.enabled=auto (the default) the chart
+# renders its monitors and rules only when the cluster serves it (helm template: --api-versions).
+MONITORING_API = "monitoring.coreos.com/v1"
 
 
 class HelmError(RuntimeError):
@@ -50,10 +53,15 @@ def run_helm(*args: str, timeout: float = 60) -> str:
     return proc.stdout
 
 
-def template(values_files: Iterable[Path | str] = (), sets: dict[str, str] | None = None, kube_version: str = "1.32.0",
-             release: str = "lookout", namespace: str = "serving") -> list[dict[str, Any]]:
-    """``helm template`` the chart (hooks and tests included) and parse every rendered object."""
+def template(values_files: Iterable[Path | str] = (), sets: dict[str, str] | None = None,
+             kube_version: str = "1.32.0", release: str = "lookout", namespace: str = "serving",
+             api_versions: Iterable[str] = ()) -> list[dict[str, Any]]:
+    """``helm template`` the chart (hooks and tests included) and parse every rendered object.
+
+    ``api_versions`` are the extra APIs the pretend cluster serves (e.g. :data:`MONITORING_API`)."""
     args = ["template", release, str(CHART), "--namespace", namespace, "--kube-version", kube_version]
+    for api in api_versions:
+        args += ["--api-versions", api]
     for path in values_files:
         args += ["--values", str(path)]
     for key, value in (sets or {}).items():
@@ -106,5 +114,6 @@ def load_values() -> dict[str, Any]:
     return yaml.safe_load((CHART / "values.yaml").read_text())
 
 
-__all__ = ["CHART", "CI_VALUES", "HelmError", "ROOT", "ci_value_sets", "find", "helm_binary", "load_values", "one",
+__all__ = ["CHART", "CI_VALUES", "MONITORING_API", "ROOT", "HelmError", "ci_value_sets", "find", "helm_binary",
+           "load_values", "one",
            "render_notes", "run_helm", "template"]

@@ -54,6 +54,13 @@ PULL_POLICY = {"type": "string", "enum": ["Always", "IfNotPresent", "Never"]}
 SERVICE_TYPE = {"type": "string", "enum": ["ClusterIP", "NodePort", "LoadBalancer"]}
 PORT = {"type": "integer", "minimum": 1, "maximum": 65535}
 DNS_LABEL = {"type": "string", "pattern": "^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$", "maxLength": 63}
+# An object name (DNS subdomain), or empty for "none".
+K8S_NAME = {"type": "string", "pattern": "^([a-z0-9]([-a-z0-9.]*[a-z0-9])?)?$", "maxLength": 253}
+HOST_PORT = {"type": "string", "pattern": "^[^:/;\\s]+:[0-9]{1,5}$"}
+# What a store client takes as its master: host:port, or etcd://host:port[;host:port...] for HA masters.
+MASTER_ADDRESS = {"type": "string",
+                  "pattern": "^(([^:/;\\s]+:[0-9]{1,5})|(etcd://[^:/;\\s]+:[0-9]{1,5}(;[^:/;\\s]+:[0-9]{1,5})*))?$"}
+QUANTITY = {"type": "string", "pattern": "^[0-9]+(\\.[0-9]+)?([KMGTPE]i?)?$"}
 # The Prometheus Operator's ScrapeProtocol enum (monitoring.coreos.com/v1, spelled as its CRD spells it).
 SCRAPE_PROTOCOLS = {"type": "array", "uniqueItems": True, "items": {"type": "string", "enum": [
     "PrometheusText0.0.4", "PrometheusText1.0.0", "OpenMetricsText0.0.1", "OpenMetricsText1.0.0", "PrometheusProto"]}}
@@ -74,6 +81,16 @@ def positive(maximum: int | None = None) -> dict[str, Any]:
 
 def image() -> dict[str, Any]:
     return obj(repository={"type": "string", "minLength": 1}, tag={"type": "string"}, pullPolicy=PULL_POLICY)
+
+
+def pdb(field: str, minimum: int) -> dict[str, Any]:
+    """A PodDisruptionBudget switch and its one bound (maxUnavailable or minAvailable)."""
+    return obj(enabled={"type": "boolean"}, **{field: {"type": "integer", "minimum": minimum}})
+
+
+# The scheduling fields every workload offers, passed to the pod spec as they are.
+SCHEDULING = {"nodeSelector": STRING_MAP, "tolerations": LIST, "affinity": FREE_MAP,
+              "topologySpreadConstraints": LIST, "priorityClassName": K8S_NAME}
 
 
 def probe() -> dict[str, Any]:
@@ -100,12 +117,21 @@ def shape() -> dict[str, Any]:
     """The shape of values.yaml (descriptions and defaults are filled in from values.yaml)."""
     engine = obj(
         replicas={"type": "integer", "minimum": 0},
+        strategy=FREE_MAP,
         image=image(),
         model={"type": "string", "minLength": 1},
         servedModelName={"type": "string"},
         port=PORT,
         extraArgs=STRINGS,
         env=LIST,
+        hfToken=obj(secretName=K8S_NAME, secretKey={"type": "string", "minLength": 1}),
+        modelCache=obj(
+            enabled={"type": "boolean"}, existingClaim=K8S_NAME, size=QUANTITY, storageClassName=K8S_NAME,
+            accessModes={"type": "array", "minItems": 1, "uniqueItems": True, "items": {
+                "type": "string", "enum": ["ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod"]}},
+        ),
+        extraVolumes=LIST,
+        extraVolumeMounts=LIST,
         resources=FREE_MAP,
         shm=obj(enabled={"type": "boolean"},
                 sizeLimit={"type": "string", "pattern": "^[0-9]+(\\.[0-9]+)?([KMGT]i?)?$"}),
@@ -127,7 +153,10 @@ def shape() -> dict[str, Any]:
         ),
         tracing=obj(
             otlpEndpoint={"type": "string", "pattern": "^(https?://.+)?$"},
-            protocol={"type": "string", "enum": ["grpc", "http/protobuf"]},
+            exporter={"type": "string", "enum": ["otlp"]},
+            # Only the OTLP/HTTP exporter is installed with the package (pyproject.toml): grpc would turn
+            # lookup tracing off at start-up.
+            protocol={"type": "string", "enum": ["http/protobuf"]},
             sampler={"type": "string", "enum": [
                 "always_on", "always_off", "traceidratio", "parentbased_always_on",
                 "parentbased_always_off", "parentbased_traceidratio"]},
@@ -135,18 +164,42 @@ def shape() -> dict[str, Any]:
         ),
         probes=obj(startup=probe(), liveness=probe(), readiness=probe()),
         service=obj(type=SERVICE_TYPE, annotations=STRING_MAP),
-        pdb=obj(enabled={"type": "boolean"}, maxUnavailable={"type": "integer", "minimum": 1}),
+        pdb=pdb("maxUnavailable", 1),
         podSecurityContext=FREE_MAP,
         securityContext=FREE_MAP,
         terminationGracePeriodSeconds={"type": "integer", "minimum": 0},
         podAnnotations=STRING_MAP,
         podLabels=STRING_MAP,
-        nodeSelector=STRING_MAP,
-        tolerations=LIST,
-        affinity=FREE_MAP,
+        **SCHEDULING,
+        runtimeClassName=K8S_NAME,
+    )
+    etcd = obj(
+        deploy={"type": "boolean"},
+        endpoints={"type": "array", "items": HOST_PORT},
+        replicas={"type": "integer", "enum": [1, 3, 5, 7]},
+        image=image(),
+        clientPort=PORT,
+        peerPort=PORT,
+        resources=FREE_MAP,
+        persistence=obj(enabled={"type": "boolean"}, size=QUANTITY, storageClassName=K8S_NAME),
+        podSecurityContext=FREE_MAP,
+        securityContext=FREE_MAP,
+    )
+    # An existing etcd needs its address.
+    etcd["if"] = {"properties": {"deploy": {"const": False}}}
+    etcd["then"] = {"properties": {"endpoints": {"minItems": 1}}}
+    ha = obj(
+        enabled={"type": "boolean"},
+        backend={"type": "string", "enum": ["etcd", "k8s"]},
+        clusterId={"type": "string", "pattern": "^[A-Za-z0-9_.-]*$", "maxLength": 128},
+        etcd=etcd,
+        k8s=obj(leaseName=K8S_NAME),
     )
     master = obj(
         enabled={"type": "boolean"},
+        replicas={"type": "integer", "minimum": 1},
+        strategy=FREE_MAP,
+        ha=ha,
         image=image(),
         rpcPort=PORT,
         metricsPort=PORT,
@@ -159,22 +212,46 @@ def shape() -> dict[str, Any]:
         resources=FREE_MAP,
         probes=obj(liveness=probe(), readiness=probe()),
         service=obj(type=SERVICE_TYPE, annotations=STRING_MAP),
-        pdb=obj(enabled={"type": "boolean"}, minAvailable={"type": "integer", "minimum": 0}),
+        pdb=pdb("minAvailable", 0),
         podSecurityContext=FREE_MAP,
         securityContext=FREE_MAP,
         podAnnotations=STRING_MAP,
         podLabels=STRING_MAP,
-        nodeSelector=STRING_MAP,
-        tolerations=LIST,
-        affinity=FREE_MAP,
+        **{k: v for k, v in SCHEDULING.items()},
         external=obj(
-            address={"type": "string", "pattern": "^([^:/\\s]+:[0-9]{1,5})?$"},
+            address=MASTER_ADDRESS,
             healthUrl={"type": "string", "pattern": "^(https?://.+)?$"},
         ),
     )
-    # Without a master of its own, the chart needs the address of one.
-    master["if"] = {"properties": {"enabled": {"const": False}}}
-    master["then"] = {"properties": {"external": {"properties": {"address": {"minLength": 1}}}}}
+    master["allOf"] = [
+        # Without a master of its own, the chart needs the address of one.
+        {"if": {"properties": {"enabled": {"const": False}}},
+         "then": {"properties": {"external": {"properties": {"address": {"minLength": 1}}}}}},
+        # HA needs a leader and a standby; without HA, two masters would each hold a part of the index.
+        {"if": {"properties": {"ha": {"properties": {"enabled": {"const": True}}}}},
+         "then": {"properties": {"replicas": {"minimum": 2}}},
+         "else": {"properties": {"replicas": {"maximum": 1}}}},
+    ]
+    store = obj(
+        enabled={"type": "boolean"},
+        replicas={"type": "integer", "minimum": 0},
+        globalSegmentSize=SIZE,
+        localBufferSize=SIZE,
+        protocol={"type": "string", "enum": ["tcp", "rdma"]},
+        deviceName={"type": "string"},
+        port=PORT,
+        httpPort=PORT,
+        extraArgs=STRINGS,
+        env=LIST,
+        resources=FREE_MAP,
+        strategy=FREE_MAP,
+        pdb=pdb("maxUnavailable", 1),
+        podSecurityContext=FREE_MAP,
+        securityContext=FREE_MAP,
+        podAnnotations=STRING_MAP,
+        podLabels=STRING_MAP,
+        **SCHEDULING,
+    )
     monitor = {"enabled": {"type": "boolean"}, "interval": PROM_DURATION, "scrapeTimeout": PROM_DURATION,
                "labels": STRING_MAP}
     return {
@@ -189,7 +266,10 @@ def shape() -> dict[str, Any]:
                                automountToken={"type": "boolean"}),
             engine=engine,
             master=master,
+            store=store,
             monitoring=obj(
+                enabled={"enum": ["auto", True, False]},
+                release={"type": "string", "maxLength": 63},
                 namespace=DNS_LABEL,
                 serviceMonitor=obj(**monitor, scrapeProtocols=SCRAPE_PROTOCOLS),
                 masterMonitor=obj(**monitor, kind={"type": "string", "enum": ["PodMonitor", "ServiceMonitor"]}),
@@ -199,8 +279,9 @@ def shape() -> dict[str, Any]:
             grafana=obj(dashboards=obj(
                 enabled={"type": "boolean"}, label={"type": "string", "minLength": 1}, labelValue={"type": "string"},
                 folder={"type": "string"}, namespace=DNS_LABEL)),
-            networkPolicy=obj(enabled={"type": "boolean"}, monitoringPodSelector=FREE_MAP),
-            helmTest=obj(enabled={"type": "boolean"}, timeoutSeconds=positive(3600)),
+            networkPolicy=obj(enabled={"type": "boolean"}, monitoringPodSelector=FREE_MAP, extraClients=LIST),
+            helmTest=obj(enabled={"type": "boolean"}, timeoutSeconds=positive(3600), nodeSelector=STRING_MAP,
+                         tolerations=LIST),
         ),
     }
 

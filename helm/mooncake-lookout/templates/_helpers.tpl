@@ -71,13 +71,20 @@ An image reference; the tag defaults to the chart's appVersion. Call with (dict 
 {{- end }}
 
 {{/*
-host:port of the master's RPC endpoint: the chart's master Service, or master.external.address.
+The master address every store client of this release takes (mooncake.json's master_server_address): the
+chart's master Service (host:port); with HA on etcd, etcd://<endpoints> (clients find the leader there); with
+HA on the k8s backend, the Service that selects the leader pod; or master.external.address.
 */}}
 {{- define "lookout.masterAddress" -}}
-{{- if .Values.master.enabled }}
-{{- printf "%s-master.%s.svc:%d" (include "lookout.fullname" .) .Release.Namespace (int .Values.master.rpcPort) }}
+{{- $m := .Values.master }}
+{{- if not $m.enabled }}
+{{- required "master.external.address is required when master.enabled is false" $m.external.address }}
+{{- else if include "lookout.haEtcd" . }}
+{{- printf "etcd://%s" (include "lookout.etcdEndpoints" .) }}
+{{- else if $m.ha.enabled }}
+{{- printf "%s-master-leader.%s.svc:%d" (include "lookout.fullname" .) .Release.Namespace (int $m.rpcPort) }}
 {{- else }}
-{{- required "master.external.address is required when master.enabled is false" .Values.master.external.address }}
+{{- printf "%s-master.%s.svc:%d" (include "lookout.fullname" .) .Release.Namespace (int $m.rpcPort) }}
 {{- end }}
 {{- end }}
 
@@ -99,6 +106,11 @@ pass-through keys and every lookup key (the lookup keys win; the schema forbids 
 {{- define "lookout.kvTransferConfig" -}}
 {{- $connector := .Values.engine.connector }}
 {{- $extra := merge (deepCopy $connector.lookup) (deepCopy $connector.extraConfig) }}
+{{- /* A held answer must stay younger than half the master's key lease (found keys are leased that long). */}}
+{{- $halfLease := div (include "lookout.masterLeaseMs" . | int64) 2 }}
+{{- if lt (int64 $halfLease) (int64 $extra.lookup_answer_ttl_ms) }}
+{{- $_ := set $extra "lookup_answer_ttl_ms" $halfLease }}
+{{- end }}
 {{- dict "kv_connector" $connector.name "kv_role" $connector.kvRole "kv_connector_extra_config" $extra | toJson }}
 {{- end }}
 
@@ -108,4 +120,128 @@ The Mooncake store client's configuration (vLLM reads it from MOONCAKE_CONFIG_PA
 {{- define "lookout.mooncakeConfig" -}}
 {{- $m := .Values.engine.mooncake }}
 {{- dict "metadata_server" $m.metadataServer "master_server_address" (include "lookout.masterAddress" .) "protocol" $m.protocol "device_name" $m.deviceName "global_segment_size" $m.globalSegmentSize "local_buffer_size" $m.localBufferSize | toPrettyJson }}
+{{- end }}
+
+{{/*
+"true" when the Prometheus Operator objects are rendered: monitoring.enabled true, or "auto" and the cluster
+serves monitoring.coreos.com/v1 (helm template: pass --api-versions monitoring.coreos.com/v1).
+*/}}
+{{- define "lookout.monitoringOn" -}}
+{{- $on := .Values.monitoring.enabled }}
+{{- if eq (toString $on) "auto" }}
+{{- if .Capabilities.APIVersions.Has "monitoring.coreos.com/v1" }}true{{ end }}
+{{- else if $on }}true{{ end }}
+{{- end }}
+
+{{/*
+Labels of a monitoring object: the release label kube-prometheus-stack selects on, then the object's own.
+Call with (dict "ctx" $ "labels" .labels).
+*/}}
+{{- define "lookout.monitorLabels" -}}
+{{- with .ctx.Values.monitoring.release }}
+release: {{ . | quote }}
+{{- end }}
+{{- with .labels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/*
+The store's name in the HA backend: the masters' --cluster_id and every store client's MC_STORE_CLUSTER_ID.
+*/}}
+{{- define "lookout.clusterId" -}}
+{{- default (printf "%s-%s" .Release.Namespace (include "lookout.fullname" .)) .Values.master.ha.clusterId }}
+{{- end }}
+
+{{/*
+True (non-empty) when the chart runs HA masters with the etcd backend.
+*/}}
+{{- define "lookout.haEtcd" -}}
+{{- if and .Values.master.enabled .Values.master.ha.enabled (eq .Values.master.ha.backend "etcd") }}true{{ end }}
+{{- end }}
+
+{{/*
+True (non-empty) when the chart runs its own etcd for the masters.
+*/}}
+{{- define "lookout.etcdDeployed" -}}
+{{- if and (include "lookout.haEtcd" .) .Values.master.ha.etcd.deploy }}true{{ end }}
+{{- end }}
+
+{{/*
+The etcd endpoints of the HA masters, host:port joined by ";" (Mooncake's separator).
+*/}}
+{{- define "lookout.etcdEndpoints" -}}
+{{- $etcd := .Values.master.ha.etcd }}
+{{- if $etcd.deploy }}
+{{- printf "%s-etcd.%s.svc:%d" (include "lookout.fullname" .) .Release.Namespace (int $etcd.clientPort) }}
+{{- else }}
+{{- if not $etcd.endpoints }}{{ fail "master.ha.etcd.endpoints is required when master.ha.etcd.deploy is false" }}{{ end }}
+{{- join ";" $etcd.endpoints }}
+{{- end }}
+{{- end }}
+
+{{/*
+Name of the Lease the masters contend for with the k8s backend.
+*/}}
+{{- define "lookout.leaseName" -}}
+{{- default (printf "%s-master" (include "lookout.fullname" .)) .Values.master.ha.k8s.leaseName }}
+{{- end }}
+
+{{/*
+The masters' lease of a key (--default_kv_lease_ttl) in milliseconds: raw milliseconds or a number with
+ms, s, m or h, as mooncake_master reads it. The lookup path must re-ask an answer older than this.
+*/}}
+{{- define "lookout.masterLeaseMs" -}}
+{{- $v := toString .Values.master.defaultKvLeaseTtl }}
+{{- if hasSuffix "ms" $v }}{{ trimSuffix "ms" $v | int64 }}
+{{- else if hasSuffix "s" $v }}{{ mul (trimSuffix "s" $v | int64) 1000 }}
+{{- else if hasSuffix "m" $v }}{{ mul (trimSuffix "m" $v | int64) 60000 }}
+{{- else if hasSuffix "h" $v }}{{ mul (trimSuffix "h" $v | int64) 3600000 }}
+{{- else }}{{ $v | int64 }}{{ end }}
+{{- end }}
+
+{{/*
+Deployment strategy of the masters: master.strategy, else Recreate for one master (two would split the index)
+and one at a time for HA masters.
+*/}}
+{{- define "lookout.masterStrategy" -}}
+{{- if .Values.master.strategy }}
+{{- toYaml .Values.master.strategy }}
+{{- else if .Values.master.ha.enabled }}
+type: RollingUpdate
+rollingUpdate:
+  maxSurge: 0
+  maxUnavailable: 1
+{{- else }}
+type: Recreate
+{{- end }}
+{{- end }}
+
+{{/*
+topologySpreadConstraints with the component's own pod labels as labelSelector where none is given.
+Call with (dict "ctx" $ "component" "engine" "constraints" $e.topologySpreadConstraints).
+*/}}
+{{- define "lookout.spread" -}}
+{{- $selector := include "lookout.selectorLabels" (dict "ctx" .ctx "component" .component) | fromYaml }}
+{{- $out := list }}
+{{- range .constraints }}
+{{- $c := deepCopy . }}
+{{- if not (hasKey $c "labelSelector") }}
+{{- $_ := set $c "labelSelector" (dict "matchLabels" $selector) }}
+{{- end }}
+{{- $out = append $out $c }}
+{{- end }}
+{{- toYaml $out }}
+{{- end }}
+
+{{/*
+Environment every store client of this release needs (engines and store pods): the HA store's name (with an
+external HA master: master.ha.clusterId when set).
+*/}}
+{{- define "lookout.storeClientEnv" -}}
+{{- $m := .Values.master }}
+{{- if or (and $m.enabled $m.ha.enabled) (and (not $m.enabled) $m.ha.clusterId) }}
+- name: MC_STORE_CLUSTER_ID
+  value: {{ include "lookout.clusterId" . | quote }}
+{{- end }}
 {{- end }}

@@ -3,7 +3,8 @@
 Runs in the engine image, so the family names come from the installed mooncake-lookout's catalogue (one
 source). Retries until TIMEOUT_S, then exits 1 naming what is wrong. Environment:
 ENGINE_METRICS_URL (required), MASTER_HEALTH_URL (GET must answer 200) or, if empty, MASTER_ADDRESS
-(host:port that must accept a TCP connection), TIMEOUT_S (default 120).
+(host:port that must accept a TCP connection; for HA masters etcd://host:port[;...], whose first etcd endpoint
+must), TIMEOUT_S (default 120).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def master_problem(health_url: str, address: str) -> str | None:
                 return None if reply.status == 200 else f"master {health_url} answered {reply.status}"
         except OSError as exc:
             return f"master {health_url} unhealthy: {exc}"
+    if "://" in address:  # HA form: the store clients reach the masters through this etcd
+        address = address.split("://", 1)[1].split(";", 1)[0]
     host, _, port = address.rpartition(":")
     try:
         with socket.create_connection((host, int(port)), timeout=5):
