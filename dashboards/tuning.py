@@ -100,6 +100,22 @@ def _panels(p: Panels) -> list[tuple[db.Row, list[Any]]]:
                           Query(q.counter_rate(c.ANSWERS_DROPPED, ("reason", "instance")),
                                 "dropped/s {{reason}} {{instance}}")], "none"),
         ]),
+        (p.row("Prefix cache (long prompts ask only for what is new)"), [
+            p.timeseries("Blocks the prefix cache knew", "Of the blocks that could count toward a hit, the share "
+                         "the prefix cache knew present (not asked of the store), and lookups it answered whole "
+                         "with no round trip per second. Multi-turn chat and RAG approach 1 from the second turn.",
+                         [Query(q.ratio(q.counter_rate(c.PREFIX_CACHE_KNOWN_BLOCKS, BY_INSTANCE),
+                                        q.counter_rate(c.PREFIX_CACHE_QUERY_BLOCKS, BY_INSTANCE)),
+                                "known share {{instance}}"),
+                          Query(q.counter_rate(c.PREFIX_CACHE_ANSWERS, BY_INSTANCE),
+                                "answered locally/s {{instance}}")], "percentunit"),
+            p.timeseries("Prefix cache size and clears", "Blocks remembered (against lookup_prefix_cache_blocks) "
+                         "and clears per second by reason: reset (this instance), epoch (the store was wiped by "
+                         "any instance, or the master restarted), failure (a lookup failed).",
+                         [Query(q.gauge(c.PREFIX_CACHE_BLOCKS.name, "sum", BY_INSTANCE), "blocks {{instance}}"),
+                          Query(q.counter_rate(c.PREFIX_CACHE_CLEARS, ("reason", "instance")),
+                                "clears/s {{reason}} {{instance}}")], "none"),
+        ]),
         (p.row("Lookup delay (what the answer costs end to end)"), [
             p.timeseries("Submit to answer used", "From submitting a lookup to the scheduler using the answer.",
                          _quantiles(c.SECONDS, BY_INSTANCE), "s"),

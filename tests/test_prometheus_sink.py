@@ -100,8 +100,11 @@ def test_every_event_lands_in_its_family(registry: CollectorRegistry) -> None:
                   lookup_timeout_ms="100", lookup_max_pending="1024") == 1
     assert _value(registry, cat.MAX_PENDING) == 1024
     assert _value(registry, cat.MAX_HELD) == 16384
-    obs.step_ended(0.0004, 7)
+    obs.step_ended(0.0004, 7, 120)
     assert _value(registry, cat.WAIT_BUDGET_SECONDS) == 0.0004 and _value(registry, cat.HELD) == 7
+    assert _value(registry, cat.PREFIX_CACHE_BLOCKS) == 120
+    obs.cache_cleared("epoch", 120)
+    assert _value(registry, cat.PREFIX_CACHE_CLEARS, "_total", reason="epoch") == 1
     obs.answer_dropped(_record("old"), "expired")
     assert _value(registry, cat.ANSWERS_DROPPED, "_total", reason="expired") == 1
     assert _value(registry, cat.ANSWERS_DROPPED, "_total", reason="evicted") == 0
