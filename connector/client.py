@@ -74,10 +74,10 @@ class LookupClient:
         self.observers = observer if isinstance(observer, ObserverSet) else ObserverSet(
             [observer] if observer is not None else [])
         if transport.on_late_reply is None:
-            transport.on_late_reply = self.observers.late_reply
+            transport.on_late_reply = lambda: self.observers.late_reply()  # observers may be added later
         self.breaker = CircuitBreaker(
             config.lookup_breaker_failures, config.lookup_breaker_cooldown_s,
-            probe_timeout_s=config.timeout_s, on_change=self._breaker_changed)
+            probe_timeout_s=config.timeout_s, on_change=lambda is_open: self.observers.breaker_changed(is_open))
         self.budget = WaitBudget(config.wait_s, share=config.lookup_wait_auto_share)
         self.generation = 0
         self._open = 0  # lookups submitted and not yet answered to the caller
@@ -102,16 +102,6 @@ class LookupClient:
 
         config = LookupConfig.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
         return cls(config, make_transport(config, lookup_address(vllm_config, config)), observer=observer)
-
-    def _breaker_changed(self, is_open: bool) -> None:
-        # Logged at WARNING both ways; it changes at most once per cool-down, which bounds the rate.
-        if is_open:
-            logger.warning("lookup circuit breaker OPEN after %d consecutive failures (timeouts, errors): lookups "
-                           "answer a miss at once for %.1f s, then one probe decides",
-                           self.config.lookup_breaker_failures, self.config.lookup_breaker_cooldown_s)
-        else:
-            logger.warning("lookup circuit breaker closed: a probe was answered, lookups go to the server again")
-        self.observers.breaker_changed(is_open)
 
     def enable_prefix_cache(self, block_size: int) -> bool:
         """Remember found blocks for prompts of ``block_size``-token blocks, each hash one block (the adapter
@@ -201,7 +191,8 @@ class LookupClient:
         self._stepped = True
         self._sent_this_step = self._drained_this_step = False
         self.budget.new_step(time.perf_counter())
-        self.observers.step_ended(self.budget.in_force_s, len(self._held), len(self.cache or ()))
+        self.observers.step_ended(self.budget.in_force_s, len(self._held), len(self.cache or ()),
+                                  self.budget.last_interval_s)
 
     def discard(self, req_id: str) -> None:
         """Forget ``req_id``'s lookup (allocated, finished, aborted, preempted); an unsent one is never sent."""

@@ -107,7 +107,8 @@ class LookupObserver(Protocol):
     def scheduler_call(self, mode: str, seconds: float) -> None: ...
     def late_reply(self) -> None: ...
     def answer_dropped(self, rec: LookupRecord, reason: str) -> None: ...
-    def step_ended(self, wait_budget_s: float, held: int, cached_blocks: int) -> None: ...
+    def step_ended(self, wait_budget_s: float, held: int, cached_blocks: int,
+                   interval_s: float | None = None) -> None: ...
     def cache_cleared(self, reason: str, blocks: int) -> None: ...
 
 
@@ -145,9 +146,11 @@ class NullObserver:
         """A held answer was forgotten before use: ``expired`` (older than its TTL), ``evicted`` (bound) or
         ``wiped`` (the store was wiped since it was answered)."""
 
-    def step_ended(self, wait_budget_s: float, held: int, cached_blocks: int) -> None:
+    def step_ended(self, wait_budget_s: float, held: int, cached_blocks: int,
+                   interval_s: float | None = None) -> None:
         """A scheduling step ended: the next step's wait budget, the answers held for requests not yet
-        allocated and the blocks the prefix cache remembers."""
+        allocated, the blocks the prefix cache remembers, and the seconds since the previous step ended
+        (``None`` for the first step)."""
 
     def cache_cleared(self, reason: str, blocks: int) -> None:
         """The prefix cache forgot ``blocks`` blocks: ``reset``, ``epoch`` (the store was wiped, by anyone)

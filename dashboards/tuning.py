@@ -68,11 +68,19 @@ def _panels(p: Panels) -> list[tuple[db.Row, list[Any]]]:
         (p.row("Scheduler cost (what every request pays)"), [
             p.timeseries("Scheduler blocked per call, by mode", "Time one scheduler call spent inside the "
                          "lookup path: a round trip in sync mode, at most the wait budget in budget mode.",
-                         _quantiles(blocked, BY_MODE), "s"),
+                         _quantiles(blocked, BY_MODE), "s", width=8),
             p.timeseries("Share of scheduler time inside lookups", "Seconds per second the scheduler spent "
                          "inside the lookup path: the slice of every step lost to lookups.",
                          [Query(q.rate_sum(q.series(blocked, "_sum"), BY_MODE), "{{mode}} {{instance}}")],
-                         "percentunit"),
+                         "percentunit", width=8),
+            p.timeseries("Step interval and lookup time per step", "Time between two scheduler steps (what "
+                         "lookup_wait_us auto caps its wait by, a share of it) beside the time each step spent "
+                         "inside the lookup path; mooncake-lookout advise reads the same figures.",
+                         [*(Query(q.quantile(c.STEP_INTERVAL_SECONDS, x, BY_INSTANCE), f"step p{round(x * 100)} "
+                                  "{{instance}}") for x in QUANTILES[:2]),
+                          Query(q.ratio(q.rate_sum(q.series(blocked, "_sum"), BY_INSTANCE),
+                                        q.rate_sum(q.series(c.STEP_INTERVAL_SECONDS, "_count"), BY_INSTANCE)),
+                                "lookup time per step {{instance}}")], "s", width=8),
         ]),
         (p.row("Deferral (what the request pays)"), [
             p.timeseries("Deferred steps per lookup", "Scheduler steps a request was parked before its lookup "

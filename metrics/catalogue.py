@@ -87,16 +87,22 @@ DEFERRED_STEPS = _m("deferred_steps", "histogram",
                     "Per lookup: scheduler steps deferred before its answer was used.", (), STEPS_BUCKETS)
 QUEUE_SECONDS = _m("queue_seconds", "histogram", "Time a lookup waited in the client before it was sent.", (),
                    SECONDS_BUCKETS)
-RPC_SECONDS = _m("rpc_seconds", "histogram", "Round trip of one sent lookup to the lookup server.", (),
+RPC_SECONDS = _m("rpc_seconds", "histogram",
+                 "From sending a lookup until the client read its answer, or gave up on it (timeout): the round trip "
+                 "when the scheduler waited for it; an answer nobody waited for is read at the next step.", (),
                  SECONDS_BUCKETS)
 SECONDS = _m("seconds", "histogram", "From submit to the answer being used (lookups that were sent).", (),
              SECONDS_BUCKETS)
 SCHEDULER_BLOCKED_SECONDS = _m("scheduler_blocked_seconds", "histogram",
                                "Time one scheduler call (admission or lookup) spent inside the lookup path.",
                                ("mode",), SECONDS_BUCKETS)
+STEP_INTERVAL_SECONDS = _m("step_interval_seconds", "histogram",
+                           "Time between two scheduler steps as the lookup client sees them: what a step costs, and "
+                           "what lookup_wait_us auto caps its wait by.", (), SECONDS_BUCKETS)
 BREAKER_OPEN = _m("breaker_open", "gauge", "1 while the circuit breaker is open.")
 LATE_REPLIES = _m("late_replies", "counter", "Replies dropped because their lookup had already ended or was unknown.")
 INFO = _m("info", "gauge", "Lookup configuration, value 1.", ("transport", "lookup_async", "mode",
+                                                              "lookup_wait_us", "lookup_wait_auto_share",
                                                               "lookup_timeout_ms", "lookup_max_pending"))
 
 SERVER_REQUESTS = _m("server_requests", "counter", "Frames the lookup server answered, by status.", ("status",),
@@ -115,8 +121,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     REQUESTS, QUERIED_TOKENS, HIT_TOKENS, PENDING, MAX_PENDING, HELD, MAX_HELD, ANSWERS_DROPPED, WAIT_BUDGET_SECONDS,
     PREFIX_CACHE_BLOCKS, PREFIX_CACHE_QUERY_BLOCKS, PREFIX_CACHE_KNOWN_BLOCKS, PREFIX_CACHE_ANSWERS,
     PREFIX_CACHE_CLEARS,
-    DEFERRALS, DEFERRED_STEPS, QUEUE_SECONDS, RPC_SECONDS, SECONDS, SCHEDULER_BLOCKED_SECONDS, BREAKER_OPEN,
-    LATE_REPLIES, INFO,
+    DEFERRALS, DEFERRED_STEPS, QUEUE_SECONDS, RPC_SECONDS, SECONDS, SCHEDULER_BLOCKED_SECONDS, STEP_INTERVAL_SECONDS,
+    BREAKER_OPEN, LATE_REPLIES, INFO,
     SERVER_REQUESTS, SERVER_QUEUE_DEPTH, SERVER_INFLIGHT, SERVER_STORE_SECONDS, SERVER_BATCH_SIZE,
     SERVER_STORE_ERRORS,
 )

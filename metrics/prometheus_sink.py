@@ -79,6 +79,7 @@ class PrometheusSink(NullObserver):
         blocked = make_metric(cat.SCHEDULER_BLOCKED_SECONDS, registry)
         self._blocked = {m: blocked.labels(m) for m in cat.MODES}
         self._blocked_family = blocked
+        self._step_interval = make_metric(cat.STEP_INTERVAL_SECONDS, registry)
         self._breaker = make_metric(cat.BREAKER_OPEN, registry)
         self._late = make_metric(cat.LATE_REPLIES, registry)
         self._info = make_metric(cat.INFO, registry)
@@ -136,10 +137,13 @@ class PrometheusSink(NullObserver):
     def answer_dropped(self, rec: LookupRecord, reason: str) -> None:
         self._dropped[reason].inc()
 
-    def step_ended(self, wait_budget_s: float, held: int, cached_blocks: int) -> None:
+    def step_ended(self, wait_budget_s: float, held: int, cached_blocks: int,
+                   interval_s: float | None = None) -> None:
         self._budget.set(wait_budget_s)
         self._held.set(held)
         self._cache_blocks.set(cached_blocks)
+        if interval_s is not None:
+            self._step_interval.observe(interval_s)
 
     def cache_cleared(self, reason: str, blocks: int) -> None:
         self._cache_clears[reason].inc()

@@ -69,14 +69,16 @@ _QUEUE = cat.QUEUE_SECONDS.key
 _RPC = cat.RPC_SECONDS.key
 _SECONDS = cat.SECONDS.key
 _BLOCKED = cat.SCHEDULER_BLOCKED_SECONDS.key
+_INTERVAL = cat.STEP_INTERVAL_SECONDS.key
 _COUNTERS = (_QUERIED, _HIT, _DEFERRALS, _LATE, _CACHE_QUERY, _CACHE_KNOWN, _CACHE_ANSWERS)
-_HISTOGRAMS = (_STEPS, _QUEUE, _RPC, _SECONDS)
+_HISTOGRAMS = (_STEPS, _QUEUE, _RPC, _SECONDS, _INTERVAL)
 
 
 def _new_step(pending: int) -> dict[str, Any]:
     return {_REQUESTS: {}, _QUERIED: 0, _HIT: 0, _DEFERRALS: 0, _LATE: 0, _PENDING: pending,
             _CACHE_QUERY: 0, _CACHE_KNOWN: 0, _CACHE_ANSWERS: 0,
-            _STEPS: [], _QUEUE: [], _RPC: [], _SECONDS: [], _BLOCKED: {}, _DROPPED: {}, _CACHE_CLEARS: {}}
+            _STEPS: [], _QUEUE: [], _RPC: [], _SECONDS: [], _INTERVAL: [], _BLOCKED: {}, _DROPPED: {},
+            _CACHE_CLEARS: {}}
 
 
 @dataclass
@@ -193,11 +195,14 @@ class LookupStatsCollector(NullObserver):
         dropped = self._current()[_DROPPED]
         dropped[reason] = dropped.get(reason, 0) + 1
 
-    def step_ended(self, wait_budget_s: float, held: int, cached_blocks: int) -> None:
+    def step_ended(self, wait_budget_s: float, held: int, cached_blocks: int,
+                   interval_s: float | None = None) -> None:
         step = self._current()
         step[_BUDGET] = wait_budget_s
         step[_HELD] = held
         step[_CACHE_BLOCKS] = cached_blocks
+        if interval_s is not None:
+            step[_INTERVAL].append(interval_s)
 
     def cache_cleared(self, reason: str, blocks: int) -> None:
         clears = self._current()[_CACHE_CLEARS]
