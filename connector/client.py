@@ -154,15 +154,15 @@ class LookupClient:
             return None if non_block else self.lookup(req_id, num_tokens, block_hashes, trace_headers=trace_headers)
         if answer is None:
             now = time.perf_counter()
-            queued_behind_failure = job.sent_at is None and self.transport.overdue(now)
-            if non_block and not job.expired(now) and not queued_behind_failure:
+            sent = job.sent_at is not None  # read first: the upstream transport's thread may send it meanwhile
+            if non_block and not job.expired(now) and not self.transport.stuck(job, now):
                 entry.rec.deferrals += 1
                 self.observers.deferred(entry.rec)
                 return None
             self.transport.forget(job)
-            if job.sent_at is not None:  # sent, and its deadline passed unanswered: the server's failure
+            if sent:  # sent, and its deadline passed unanswered: the server's failure
                 answer = Answer(Outcome.TIMEOUT, error="no reply before the deadline")
-            else:  # still queued (behind a lookup the server left unanswered, or the call's bound ran out)
+            else:  # still queued (behind a lookup left unanswered, a stalled transport, or the call's bound ran out)
                 answer = Answer(Outcome.TIMEOUT, error="not sent before the deadline: queued behind other lookups",
                                 local=True)
         return self._settle(req_id, entry, answer)
@@ -298,6 +298,9 @@ class LookupClient:
             return
         jobs, self._unsent = self._unsent, []
         self._sent_this_step = True
+        now = time.perf_counter()
+        for job in jobs:
+            job.rec.t_queued = now
         try:
             self.transport.send(jobs, urgent=urgent)
         except TransportClosed:

@@ -46,6 +46,7 @@ class LookupRecord:
     transport: str
     generation: int
     t_submit: float
+    t_queued: float | None = None  # handed to the transport (sent at once by ``pipelined``; queued by ``upstream``)
     t_start: float | None = None
     t_answer: float | None = None
     t_consume: float | None = None

@@ -219,9 +219,17 @@ def test_breaker_opens_after_failures_and_closes_after_a_good_probe(private_stac
                              lookup_breaker_cooldown_s=0.2)
     try:
         private_stack.master.pause()
-        for i in range(3):
+        # Three lookups SENT and unanswered open it. One that a busy machine kept from being sent within its
+        # call's bound is the client's own timeout: it neither counts nor breaks the run (so: ask until open).
+        sent_failures = 0
+        for i in range(12):  # bounded: each call ends by its 50 ms bound
             c.lookup(f"f{i}", 4 * BLOCK + 1, hashes)
-        assert c.breaker.is_open and counter.breaker_changes == [True]
+            (rec,) = [r for r in counter.records if r.req_id == f"f{i}"]
+            assert rec.outcome is Outcome.TIMEOUT
+            sent_failures += rec.t_start is not None
+            if c.breaker.is_open:
+                break
+        assert c.breaker.is_open and sent_failures == 3 and counter.breaker_changes == [True]
         t0 = time.perf_counter()
         fast = c.lookup("fast", 4 * BLOCK + 1, hashes)
         assert fast.hit_length == 0 and counter.outcomes[Outcome.BREAKER_OPEN] == 1
@@ -278,3 +286,90 @@ def test_built_from_a_vllm_config_reaches_vllms_server(upstream_server, lookup_v
         assert poll(c, "r", 3 * BLOCK + 1, hashes).hit_length == 3 * BLOCK
     finally:
         c.close()
+
+
+def test_a_lookup_queued_behind_a_timed_out_one_is_never_left_waiting_unmarked(tmp_path) -> None:
+    """Upstream's one thread times out the lookup in flight, then ends the ones queued behind it. In between,
+    a caller asking a queued one must see it either ended or behind an overdue lookup; else it would defer
+    it past the deadline (seen on a loaded machine). Checked at the exact moment: when the timed-out lookup's
+    answer is written (on the transport's thread), against a real REQ socket to a ROUTER that never answers."""
+    import zmq
+
+    from mooncake_lookout.connector.events import LookupRecord, NullObserver
+    from mooncake_lookout.connector.job import LookupJob
+
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    address = f"ipc://{tmp_path}/silent.sock"
+    silent.bind(address)
+    transport = UpstreamTransport(address)
+    seen: list[bool] = []
+
+    class AtTheHeadsTimeout(NullObserver):
+        def answered(self, rec: Any) -> None:
+            if rec.req_id == "head":
+                seen.append(queued.answer is not None or transport.overdue(time.perf_counter()))
+
+    def job(req_id: str) -> LookupJob:
+        rec = LookupRecord(req_id, 33, 2, "upstream", 0, time.perf_counter())
+        return LookupJob(rec, [bytes([1]) * 32] * 2, 0.05, AtTheHeadsTimeout())
+
+    head, queued = job("head"), job("queued")
+    try:
+        transport.send([head, queued])
+        head.done.wait(5.0)
+        queued.done.wait(5.0)
+        assert head.answer is not None and head.answer.outcome is Outcome.TIMEOUT
+        assert queued.answer is not None and queued.answer.local  # never sent: not held against the server
+        assert seen == [True]
+    finally:
+        transport.close()
+        ctx.destroy(linger=0)
+
+
+def test_a_lookup_queued_behind_a_stalled_transport_thread_ends_a_deadline_after_it_was_queued(tmp_path) -> None:
+    """If upstream's one thread makes no progress (starved by a loaded machine, or wedged), a queued lookup
+    must not be deferred for as long as that lasts: a deadline after it was queued with nothing sent since,
+    it ends as the client's own timeout. The stall is FAKED (a thread the OS does not schedule cannot be
+    produced on demand): an observer holds the transport's thread for 1 s as it starts sending the head."""
+    import threading
+
+    import zmq
+
+    from mooncake_lookout.connector.events import NullObserver
+
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    address = f"ipc://{tmp_path}/silent.sock"
+    silent.bind(address)
+    release, held = threading.Event(), threading.Event()
+
+    class HoldTheThread(NullObserver):
+        def started(self, rec: Any) -> None:
+            if rec.req_id == "head":
+                held.set()
+                release.wait(1.0)
+
+    counter = OutcomeCounter()
+    client = LookupClient(LookupConfig(lookup_timeout_ms=50, lookup_async=True), UpstreamTransport(address),
+                          observer=counter)
+    client.observers.add(HoldTheThread())
+    try:
+        hashes = [bytes([2]) * 32] * 2
+        assert client.lookup("head", 33, hashes, non_block=True) is None
+        assert held.wait(5.0), "the transport's thread never took the head"
+        result, end = None, time.monotonic() + 5.0
+        while result is None and time.monotonic() < end:
+            result = client.lookup("queued", 33, hashes, non_block=True)
+            time.sleep(0.005)  # one scheduler step
+        assert result is not None, "the queued lookup was deferred for 5 s"
+        (rec,) = [r for r in counter.records if r.req_id == "queued"]
+        assert rec.outcome is Outcome.TIMEOUT and rec.t_start is None  # never sent: the client's own timeout
+        assert rec.t_consume - rec.t_queued < 0.05 + 0.4, "deferred for as long as the stall lasted"
+        assert not release.is_set()  # ...which it had not ended
+    finally:
+        release.set()
+        client.close()
+        ctx.destroy(linger=0)

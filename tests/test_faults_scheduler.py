@@ -43,9 +43,15 @@ class CallTimer(NullObserver):
         self.last_sent = max(self.last_sent, rec.t_start)
 
     def deferred(self, rec: Any) -> None:
-        # A lookup's deadline runs from when it was sent (time queued in the client is not the server's);
-        # one still queued ends when the lookup sent ahead of it does (upstream's one thread sends them in turn).
-        start = rec.t_start if rec.t_start is not None else max(rec.t_submit, self.last_sent)
+        # A lookup's deadline runs from when it was sent (time queued in the client is not the server's); one
+        # still queued ends with the lookup sent ahead of it, or a deadline after it was queued if none was
+        # sent since (upstream's one thread sends them in turn). One not yet handed over waits for the step.
+        if rec.t_start is not None:
+            start = rec.t_start
+        elif rec.t_queued is not None:
+            start = max(rec.t_queued, self.last_sent)
+        else:
+            return
         if time.perf_counter() > start + TIMEOUT_MS / 1000 + SLACK_S:
             self.late_deferrals.append(rec.req_id)
 
@@ -123,6 +129,8 @@ class Run:
         asked = {}
         sent = [r.t_start for r in self.counter.records if r.t_start is not None]
         for rec in self.counter.records:
+            if rec.outcome is Outcome.DISCARDED:
+                continue  # dropped (a reset, an abort): the request's deadline is its next lookup's
             # A sent lookup's deadline runs from when it was sent; one never sent (queued behind others) ends
             # when the latest lookup sent before it was asked misses its deadline.
             start = rec.t_start if rec.t_start is not None else max(

@@ -61,7 +61,9 @@ def test_a_burst_on_a_healthy_store_is_answered_in_full_and_never_trips_the_brea
     reqs = shared_prefix_workload(305, prefix_blocks=4, unique_blocks=4, num_prefixes=4, seed=13)
     slow_rig.store(reqs, lambda r: 8)
     counter = OutcomeCounter()
-    client = slow_rig.new_client(counter)
+    # A 1 s deadline (the default is 100 ms): a loaded test machine must not starve the server past it. It
+    # changes nothing under test: time queued in the client never counts against the deadline.
+    client = slow_rig.new_client(counter, lookup_timeout_ms=1000.0)
     burst, fresh = reqs[:300], reqs[300:]
     for r in burst:
         client.start(r.req_id, r.num_tokens, r.block_hashes, admission=True)

@@ -175,3 +175,49 @@ def test_known_blocks_are_not_asked_and_the_answer_is_upstreams(worker: Any, mak
         worker.store.batch_is_exist = real
     assert (got.hit_length, got.tail_key_boundaries) == (expected.hit_length, expected.tail_key_boundaries)
     assert asked == [40 - 32]  # only the blocks the client did not know
+
+
+def test_a_known_prefix_gives_upstreams_own_answer_whatever_the_prompt(worker: Any, make_hashes) -> None:
+    """Prompts ending mid-block, on a block edge, past what is stored and wholly stored (the last token is
+    then recomputed); known prefixes from none to all the client can know (only blocks found present).
+    Each answer, alone and in one batch, equals upstream's own lookup of the whole prompt."""
+    stored = 300
+    hashes = make_hashes(600, seed=710)
+    _store(worker, hashes, stored)
+    backend = WorkerBackend(worker)
+    cases = []
+    for blocks in (1, 8, stored - 1, stored, stored + 1, 600):
+        for extra_tokens in (0, 1, BLOCK - 1):
+            prompt = hashes[:blocks]
+            most = min(blocks, stored)
+            for known in sorted({0, 1, most // 2, most}):
+                cases.append((blocks * BLOCK + extra_tokens, prompt, known))
+    expected = [worker.lookup(n, prompt) for n, prompt, _ in cases]
+    queries = [(n, HashBlob(b"".join(prompt), 32), known) for n, prompt, known in cases]
+    alone = [backend.lookup_many([q])[0] for q in queries]
+    batched = backend.lookup_many(queries)
+    for case, want, one, many in zip(cases, expected, alone, batched):
+        answer = (want.hit_length, tuple(want.tail_key_boundaries))
+        assert (one.hit_length, tuple(one.tail_key_boundaries)) == answer, case[::2]
+        assert (many.hit_length, tuple(many.tail_key_boundaries)) == answer, case[::2]
+
+
+def test_short_queries_share_one_store_call_and_a_long_one_has_its_own(worker: Any, make_hashes) -> None:
+    from mooncake_lookout.connector.server.worker_backend import SOLO_BLOCKS
+
+    short = [make_hashes(8, seed=720 + i) for i in range(3)]
+    long = make_hashes(SOLO_BLOCKS + 10, seed=730)
+    for hashes in (*short, long):
+        _store(worker, hashes, len(hashes))
+    marker = "mooncake-lookout-marker@test"
+    assert worker.store.upsert_batch([marker], [b"\x01"]) == 0
+    backend = WorkerBackend(worker)
+    blob = lambda hs: HashBlob(b"".join(hs), 32)  # noqa: E731
+    before = worker.store.exist_calls
+    *results, code = backend.lookup_many([(len(hs) * BLOCK + 1, blob(hs)) for hs in (*short, long)], [marker])
+    assert worker.store.exist_calls - before == 2
+    assert [r.hit_length for r in results] == [len(hs) * BLOCK for hs in (*short, long)] and code == 1
+    before = worker.store.exist_calls
+    result, code = backend.lookup_many([(len(long) * BLOCK + 1, blob(long))], [marker])  # the marker rides along
+    assert worker.store.exist_calls - before == 1 and result.hit_length == len(long) * BLOCK and code == 1
+    worker.store.remove(marker, True)

@@ -20,6 +20,7 @@ import argparse
 import array
 import collections
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -35,7 +36,7 @@ from typing import Any
 
 from mooncake_lookout.connector.client import LookupClient
 from mooncake_lookout.connector.config import LookupConfig
-from mooncake_lookout.connector.events import LookupRecord, NullObserver
+from mooncake_lookout.connector.events import LookupRecord, NullObserver, Outcome
 from mooncake_lookout.connector.job import LookupResult
 from mooncake_lookout.connector.rigs.master import EmbeddedMaster
 from mooncake_lookout.connector.rigs.server_process import ServerProcess
@@ -136,6 +137,23 @@ class Violations:
         return not (self.wrong or self.stale or self.slow_calls or self.late_answers or self.pending_left)
 
 
+class _ClientLog(NullObserver):
+    """When the latest lookup was sent (on the transport's thread with ``upstream``: a float is written whole)
+    and how each request's latest lookup ended."""
+
+    def __init__(self) -> None:
+        self.last_sent = 0.0
+        self.outcomes: dict[str, Outcome] = {}
+
+    def started(self, rec: LookupRecord) -> None:
+        if rec.t_start is not None and rec.t_start > self.last_sent:
+            self.last_sent = rec.t_start
+
+    def consumed(self, rec: LookupRecord) -> None:
+        if rec.outcome is not None:
+            self.outcomes[rec.req_id] = rec.outcome
+
+
 class FaultRig:
     """A real master, a truth-holding writer, a lookup server process and our client, with truth checks.
 
@@ -154,6 +172,7 @@ class FaultRig:
         self.stored: dict[bytes, int] = {}  # last hash of a stored prefix -> its blocks
         self.empty_since: float | None = None  # the store is known empty from then until re-filled
         self.violations = Violations()
+        self._log = _ClientLog()
         try:  # a failed start must not leave a master or a server process behind
             self.master = master if master is not None else self._stack.enter_context(EmbeddedMaster())
             self.writer = open_writer_store(self.master.rpc_address, rpc_timeout_ms=2000)
@@ -181,9 +200,21 @@ class FaultRig:
         self.violations = Violations()
         self.budget = CallBudget(self.config.timeout_s)
 
-    def new_client(self, observer: Any = None) -> LookupClient:
-        """A client of this rig's transport on the server's address (closed with the rig)."""
-        client = LookupClient(self.config, make_transport(self.config, self.server.address), observer=observer)
+    @property
+    def last_sent(self) -> float:
+        """When the rig's clients last sent a lookup: a lookup still queued ends with the one sent ahead of it."""
+        return self._log.last_sent
+
+    def outcome(self, req_id: str) -> Outcome | None:
+        """How the latest lookup of ``req_id`` by the rig's clients ended."""
+        return self._log.outcomes.get(req_id)
+
+    def new_client(self, observer: Any = None, **config: Any) -> LookupClient:
+        """A client of this rig's transport on the server's address (closed with the rig); ``config``
+        overrides fields of the rig's :class:`LookupConfig`."""
+        cfg = dataclasses.replace(self.config, **config) if config else self.config
+        client = LookupClient(cfg, make_transport(cfg, self.server.address), observer=observer)
+        client.observers.add(self._log)
         client.enable_prefix_cache(BLOCK_SIZE)  # as the scheduler adapter does for this layout (on by default)
         self._stack.callback(client.close)
         return client

@@ -2,8 +2,7 @@
 
 With ``lookup_transport: pipelined`` the worker that runs upstream's ``LookupKeyServer`` (rank 0) also
 runs our :class:`~mooncake_lookout.connector.server.loop.LookupServer`, answering from the same
-``MooncakeStoreWorker``, so its keys and layout are upstream's, and a whole batch of lookups costs one
-``batch_is_exist``.
+``MooncakeStoreWorker``, so its keys and layout are upstream's.
 """
 
 from __future__ import annotations
@@ -20,18 +19,40 @@ from mooncake_lookout.connector.server.prefix_index import StoreError
 logger = logging.getLogger(__name__)
 
 
+# A query asking more blocks than this gets a store call of its own: one pass of upstream's key code (about
+# 1.5 us a block here) then costs more than the fixed cost of a store call (about 60 us).
+SOLO_BLOCKS = 256
+
+
+class _Plan:
+    """One query as upstream's ``lookup`` will see it: a known prefix is skipped (``shift`` tokens) when the
+    layout allows, else its keys are taken as present (``present``: their hashes' hex digits)."""
+
+    __slots__ = ("num_tokens", "hashes", "shift", "present", "blocks")
+
+    def __init__(self, num_tokens: int, hashes: Any, shift: int, present: frozenset[str]) -> None:
+        self.num_tokens, self.hashes, self.shift, self.present = num_tokens, hashes, shift, present
+        self.blocks = len(hashes) - len(present)
+
+
 class WorkerBackend:
     """Our lookup server's backend on a GPU worker: upstream's own ``MooncakeStoreWorker`` key code.
 
-    :meth:`lookup_many` answers a whole batch with ONE ``batch_is_exist``: upstream's ``lookup`` runs twice
-    per query against a stand-in store, first to learn which keys it asks (the stand-in answers "absent"),
-    then to compute the hit from the codes of one real call over the union of those keys. The key layout,
-    rank namespaces, partial-hash and tail-boundary logic stay upstream's. A negative code (Mooncake's
-    store error) is reported as that query's :class:`StoreError`, where upstream would count a miss.
+    Every key asked is built by upstream's ``lookup``, run against a stand-in store; the key layout, rank
+    namespaces, partial-hash and tail-boundary logic stay upstream's. Short queries share ONE real
+    ``batch_is_exist`` (upstream's ``lookup`` runs twice for each: to learn its keys, then to compute its
+    hit from the codes of the one call); a long one gets a call of its own (one run). A negative code
+    (Mooncake's store error) is that query's :class:`StoreError`, where upstream would count a miss.
+
+    Blocks a client knows present (its prefix cache) are not asked: with one full-attention group keyed per
+    hash block, upstream's ``lookup`` runs on the prompt after them, and the hit is shifted back (a key
+    depends on its block's hash only, and the hit is the longest present prefix); in other layouts their
+    keys are answered "present" without asking.
     """
 
     def __init__(self, worker: Any) -> None:
         self.worker = worker
+        self._block = _shift_block(worker)
 
     def lookup(self, num_tokens: int, block_hashes: Any) -> Any:
         """One lookup, through :meth:`lookup_many` (so store errors are errors here too)."""
@@ -41,48 +62,99 @@ class WorkerBackend:
         return result
 
     def lookup_many(self, queries: Any, extra_keys: Sequence[str] = ()) -> list[Any]:
-        """Each query's upstream result, or the :class:`StoreError` it met; one store call in all.
+        """Each query's upstream result, or the :class:`StoreError` it met; then the codes of ``extra_keys``.
 
-        A query is ``(num_tokens, hashes)`` or ``(num_tokens, hashes, known)``: keys of the first ``known``
-        hashes are taken as present, not asked. The codes of ``extra_keys`` follow the results.
+        A query is ``(num_tokens, hashes)`` or ``(num_tokens, hashes, known)``: its first ``known`` blocks
+        are known present (found within their lease) and not asked.
         """
-        worker = self.worker
-        lookup = type(worker).lookup
+        plans = [self._plan(*_unpack(q)) for q in queries]
+        out: list[Any] = [None] * len(plans)
+        extra: list[str] = list(extra_keys)
+        # Alone, a query is asked in one run; in a batch, short ones share a call (two runs each).
+        share = len(plans) > 1
+        small = [i for i, p in enumerate(plans) if share and p.blocks <= SOLO_BLOCKS]
+        large = [i for i, p in enumerate(plans) if not (share and p.blocks <= SOLO_BLOCKS)]
+        extra_codes: list[Any] | None = None
+        if small or not large:  # the shared call carries the extra keys (also when nothing else is asked)
+            results, extra_codes = self._shared([plans[i] for i in small], extra)
+            for i, r in zip(small, results):
+                out[i] = r
+        for i in large:
+            out[i], codes = self._solo(plans[i], extra if extra_codes is None else [])
+            if extra_codes is None:
+                extra_codes = codes
+        return out + (extra_codes or [])
+
+    def _plan(self, num_tokens: int, hashes: Any, known: int) -> _Plan:
+        if known and self._block:
+            known = min(known, len(hashes), max(0, (num_tokens - 1) // self._block))
+            shift = known * self._block
+            rest = HashBlob(hashes.blob[known * hashes.hash_len:], hashes.hash_len) if isinstance(
+                hashes, HashBlob) else list(hashes[known:])
+            return _Plan(num_tokens - shift, rest, shift, frozenset())
+        return _Plan(num_tokens, hashes, 0, frozenset(_hex(hashes, known)) if known else frozenset())
+
+    def _run(self, plan: _Plan, store: Any) -> Any:
+        """Upstream's ``lookup`` for ``plan`` against ``store``, shifted back by the skipped prefix."""
+        result = type(self.worker).lookup(_worker_view(self.worker, store), plan.num_tokens,
+                                          _vllm_hashes(plan.hashes))
+        return _shifted(result, plan.shift) if plan.shift else result
+
+    def _shared(self, plans: list[_Plan], extra: list[str]) -> tuple[list[Any], list[Any]]:
+        """Two runs of upstream's key code per query around ONE real call for all their keys and ``extra``."""
         asked: list[list[str]] = []
-        present: dict[str, int] = {}
-        for query in queries:
-            num_tokens, hashes, known = _unpack(query)
-            recorder = _KeyRecorder()
-            lookup(_WorkerView(worker, recorder), num_tokens, _vllm_hashes(hashes))
-            keys = recorder.keys
-            if known:
-                known_hex = set(_hex(hashes, known))
-                present.update((k, 1) for k in keys if k.rsplit("@", 1)[-1] in known_hex)
-            asked.append(keys)
-        union = [k for k in dict.fromkeys(k for keys in asked for k in keys) if k not in present]
-        union += [k for k in extra_keys if k not in present]
-        codes: dict[str, int] = dict(present)
-        if union:
-            t0 = time.perf_counter()
-            try:
-                answer = list(worker.store.batch_is_exist(union))
-                if len(answer) != len(union):
-                    raise StoreError(None, "batch_is_exist", f"{len(answer)} answers for {len(union)} keys")
-            except Exception as e:
-                _record(worker, t0, len(union), failed=len(union))
-                err = e if isinstance(e, StoreError) else StoreError(None, "batch_is_exist", repr(e))
-                return [err if keys else MISS for keys in asked] + [err] * len(extra_keys)
-            codes.update(zip(union, answer))
-            _record(worker, t0, len(union), failed=sum(1 for c in answer if c < 0))
+        for plan in plans:
+            recorder = _KeyRecorder(plan.present)
+            self._run(plan, recorder)
+            asked.append(recorder.keys)
+        union = list(dict.fromkeys(k for keys in asked for k in keys)) + extra
+        if not union:
+            return [self._run(plan, _CodeStore({})) for plan in plans], []
+        answer, error = self._call(union)
+        if error is not None:
+            return [error if keys else MISS for keys in asked], [error] * len(extra)
+        codes = dict(zip(union, answer))
         out: list[Any] = []
-        for query, keys in zip(queries, asked):
-            num_tokens, hashes, _ = _unpack(query)
+        for plan, keys in zip(plans, asked):
             bad = next((k for k in keys if codes[k] < 0), None)
             if bad is not None:
                 out.append(StoreError(codes[bad], "batch_is_exist", f"key {bad}"))
                 continue
-            out.append(lookup(_WorkerView(worker, _CodeStore(codes)), num_tokens, _vllm_hashes(hashes)))
-        return out + [codes[k] for k in extra_keys]
+            out.append(self._run(plan, _CodeStore(codes, plan.present)))
+        return out, [codes[k] for k in extra]
+
+    def _solo(self, plan: _Plan, extra: list[str]) -> tuple[Any, list[Any]]:
+        """One run of upstream's key code, its one real call carrying ``extra`` too."""
+        store = _OneCall(self, plan.present, extra)
+        result = self._run(plan, store)
+        if store.error is not None:
+            return store.error, [store.error] * len(extra)
+        if store.answer is None:  # nothing asked (an empty prompt): the extra keys still need their call
+            if not extra:
+                return result, []
+            answer, error = self._call(extra)
+            return result, [error] * len(extra) if error is not None else answer
+        asked, answer = store.asked, store.answer
+        n = len(asked)
+        if n and min(answer[:n]) < 0:
+            i = next(i for i in range(n) if answer[i] < 0)
+            result = StoreError(answer[i], "batch_is_exist", f"key {asked[i]}")
+        return result, answer[n:]
+
+    def _call(self, keys: list[str]) -> tuple[list[int], StoreError | None]:
+        """The real ``batch_is_exist`` (recorded as upstream records it); a failed call is a StoreError."""
+        worker = self.worker
+        t0 = time.perf_counter()
+        try:
+            answer = list(worker.store.batch_is_exist(keys))
+            if len(answer) != len(keys):
+                raise StoreError(None, "batch_is_exist", f"{len(answer)} answers for {len(keys)} keys")
+        except Exception as e:
+            _record(worker, t0, len(keys), failed=len(keys))
+            return [], e if isinstance(e, StoreError) else StoreError(None, "batch_is_exist", repr(e))
+        failed = sum(1 for c in answer if c < 0) if answer and min(answer) < 0 else 0
+        _record(worker, t0, len(keys), failed=failed)
+        return answer, None
 
     @property
     def store(self) -> Any:
@@ -110,43 +182,73 @@ class WorkerBackend:
         return True
 
 
-class _KeyRecorder:
-    """A stand-in store that notes the keys asked and answers "absent" (first pass)."""
+def _known(key: str, present: frozenset[str]) -> bool:
+    return bool(present) and key.rsplit("@", 1)[-1] in present
 
-    def __init__(self) -> None:
+
+class _KeyRecorder:
+    """A stand-in store that notes the keys to ask and answers "absent" (the first of two runs)."""
+
+    def __init__(self, present: frozenset[str] = frozenset()) -> None:
+        self.present = present
         self.keys: list[str] = []
 
     def batch_is_exist(self, keys: list[str]) -> list[int]:
-        self.keys.extend(keys)
+        self.keys.extend(k for k in keys if not _known(k, self.present))
         return [0] * len(keys)
 
 
 class _CodeStore:
-    """A stand-in store answering from the codes of the one real call (second pass)."""
+    """A stand-in store answering from the codes of the one real call (the second run)."""
 
-    def __init__(self, codes: dict[str, int]) -> None:
+    def __init__(self, codes: dict[str, int], present: frozenset[str] = frozenset()) -> None:
         self.codes = codes
+        self.present = present
 
     def batch_is_exist(self, keys: list[str]) -> list[int]:
-        return [self.codes[k] for k in keys]
+        return [1 if _known(k, self.present) else self.codes[k] for k in keys]
 
 
-class _WorkerView:
+class _OneCall:
+    """A stand-in store for a single run: asks the real store once, for the keys not known present and the
+    extra keys. A failure is kept (``error``) and answered "absent", so upstream neither logs nor hides it;
+    negative codes pass through (upstream counts only 1 as present) and are reported after the run."""
+
+    def __init__(self, backend: WorkerBackend, present: frozenset[str], extra: list[str]) -> None:
+        self.backend, self.present, self.extra = backend, present, extra
+        self.asked: list[str] = []
+        self.answer: list[int] | None = None
+        self.error: StoreError | None = None
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        present = self.present
+        ask = [k for k in keys if not _known(k, present)] if present else keys
+        answer, self.error = self.backend._call(ask + self.extra if self.extra else ask)
+        if self.error is not None:
+            return [0] * len(keys)
+        self.asked, self.answer = ask, answer
+        if not present:
+            return answer[:len(keys)] if self.extra else answer
+        codes = dict(zip(ask, answer))
+        return [1 if _known(k, present) else codes[k] for k in keys]
+
+
+def _worker_view(worker: Any, store: Any) -> Any:
     """The worker as upstream's ``lookup`` sees it, with a stand-in store and no operation recording.
 
-    Reads every other attribute from the real worker (never writes), so the transfer threads that use the
-    real store are untouched.
+    A shallow copy, made per run (a few microseconds) so it always reads the worker's current attributes at
+    full speed; the real worker is never written, so the transfer threads that use the real store are
+    untouched.
     """
+    view = object.__new__(type(worker))
+    view.__dict__.update(worker.__dict__)
+    view.store = store
+    view._record_kv_connector_operation = _not_recorded
+    return view
 
-    def __init__(self, worker: Any, store: Any) -> None:
-        self._worker = worker
-        self.store = store
 
-    def _record_kv_connector_operation(self, *args: Any, **kwargs: Any) -> None:
-        """Recorded once for the real call instead (``_record``)."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._worker, name)
+def _not_recorded(*args: Any, **kwargs: Any) -> None:
+    """Recorded once for the real call instead (``_record``)."""
 
 
 def _unpack(query: Any) -> tuple[int, Any, int]:
@@ -167,6 +269,36 @@ def _vllm_hashes(hashes: Any) -> Any:
 
         return BlobBlockHashes(hashes.blob, hashes.hash_len)
     return hashes
+
+
+def _shift_block(worker: Any) -> int:
+    """Tokens per block when a known prefix can be skipped: one prefix-cached full-attention group keyed per
+    hash block (a key then depends on its block's hash only); 0 otherwise."""
+    try:
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        (group,) = worker._kv_cache_groups
+        (db,) = worker.token_dbs
+        spec = group.kv_cache_spec
+        if isinstance(spec, FullAttentionSpec) and spec.prefix_cacheable and db.block_size == worker.hash_block_size:
+            return int(db.block_size)
+    except (AttributeError, ImportError, TypeError, ValueError):  # another layout (or a stand-in worker)
+        pass
+    return 0
+
+
+def _shifted(result: Any, shift: int) -> Any:
+    """Upstream's result for the prompt after a known prefix of ``shift`` tokens, as one for the whole prompt."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
+        MooncakeLookupResult,
+        TailKeyBoundary,
+    )
+
+    if result.hit_length:
+        tails = tuple(TailKeyBoundary(t.group_id, t.num_tokens + shift) for t in result.tail_key_boundaries)
+    else:  # nothing found past the prefix: the hit ends at it, keyed by its last block (the one group)
+        tails = (TailKeyBoundary(0, shift),)
+    return MooncakeLookupResult(result.hit_length + shift, tails)
 
 
 def _record(worker: Any, t0: float, keys: int, failed: int) -> None:

@@ -49,6 +49,11 @@ class Transport(abc.ABC):
         end at once instead of waiting their turn). A transport with no queue of its own never is."""
         return False
 
+    def stuck(self, job: LookupJob, now: float) -> bool:
+        """True when ``job``, handed over but not sent, can no longer be sent in time: the caller ends it
+        (a timeout of the client's own, not held against the server) instead of asking again."""
+        return job.sent_at is None and self.overdue(now)
+
     def forget(self, job: LookupJob) -> None:
         """Nobody wants ``job``'s answer any more: an unsent job is never sent, a reply for it counts as late."""
         job.cancelled = True

@@ -61,6 +61,7 @@ class UpstreamTransport(Transport):
         self._ready = threading.Condition(threading.Lock())
         self._closed = False
         self._inflight_deadline: float | None = None  # written by the thread, read by the caller
+        self.last_sent = 0.0  # when the thread last sent a lookup (written by the thread, read by the caller)
         self._log_limit = RateLimit(10.0)
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None
@@ -92,6 +93,14 @@ class UpstreamTransport(Transport):
         """True once the lookup in flight has outlived its deadline (the server is not answering)."""
         deadline = self._inflight_deadline
         return deadline is not None and now >= deadline
+
+    def stuck(self, job: LookupJob, now: float) -> bool:
+        """Queued behind an overdue lookup, or the thread sent nothing for a whole deadline since ``job`` was
+        queued (it is starved or wedged): a queued lookup waits for the one ahead of it, never longer."""
+        if job.sent_at is not None or job.answer is not None:
+            return False
+        queued = job.rec.t_queued
+        return self.overdue(now) or (queued is not None and now >= max(queued, self.last_sent) + job.timeout_s)
 
     def reset(self, timeout_s: float) -> bool:
         """Queue a reset behind every lookup already queued (so it is fenced) and wait up to ``timeout_s``."""
@@ -180,18 +189,23 @@ class UpstreamTransport(Transport):
             job.finish(Answer(Outcome.ERROR, error=str(e)))
             return
         job.sent()
+        self.last_sent = job.sent_at or 0.0
         self._inflight_deadline = job.deadline
         try:
             reply = self._round_trip(frames, (job.deadline or 0.0) - time.perf_counter())
         except zmq.ZMQError as e:
+            self._inflight_deadline = None
             job.finish(Answer(Outcome.ERROR, error=f"zmq: {e}"))
             return
-        finally:
-            self._inflight_deadline = None
         if reply is None:
-            job.finish(Answer(Outcome.TIMEOUT, error="no reply before the deadline"))
+            # The lookups queued behind it end first, while it still counts as overdue: a caller must never
+            # find one of them neither failed nor behind an overdue lookup (it would defer past the deadline).
             self._fail_queued()
-        elif job.cancelled:
+            self._inflight_deadline = None
+            job.finish(Answer(Outcome.TIMEOUT, error="no reply before the deadline"))
+            return
+        self._inflight_deadline = None
+        if job.cancelled:
             self._count_late()
         else:
             job.finish(wire.decode_lookup_reply(reply))
