@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mooncake_lookout.connector.bench.call import CLIENTS, NO_SPANS, make_client
-from mooncake_lookout.connector.bench.rig import Rig
+from mooncake_lookout.connector.bench.rig import ClientMaker
 from mooncake_lookout.connector.rigs.workload import WorkloadRequest, shared_prefix_workload
 
 
@@ -87,12 +87,13 @@ class _Closing:
         self._close()
 
 
-def run(rig: Rig, requests: Sequence[WorkloadRequest], *, repeats: int = 3, step_s: float = 0.001) -> dict[str, Any]:
-    """Scenario (b): per client, the median of ``repeats`` bursts (seconds, steps, hit tokens)."""
+def run(rig: ClientMaker, requests: Sequence[WorkloadRequest], *, repeats: int = 3, step_s: float = 0.001,
+        names: Sequence[str] = CLIENTS) -> dict[str, Any]:
+    """Scenario (b): per client of ``names``, the median of ``repeats`` bursts (seconds, steps, hit tokens)."""
     n = len(requests)
     out: dict[str, Any] = {"n": n}
-    # The last row is a diagnosis, not a target: ours pipelined with metrics but no spans.
-    for name in (*CLIENTS, NO_SPANS):
+    # The NO_SPANS row is a diagnosis, not a target: ours pipelined with metrics but no spans.
+    for name in (*names, *([NO_SPANS] if "ours/pipelined" in names else [])):
         runs = []
         for i in range(repeats):
             tagged = [type(r)(f"b{i}-{r.req_id}", r.num_tokens, r.block_hashes) for r in requests]

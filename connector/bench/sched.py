@@ -78,6 +78,7 @@ class SchedRun:
     seconds: float = 0.0
     calls: list[float] = field(default_factory=list)  # seconds inside each lookup call
     blocked_per_step: list[float] = field(default_factory=list)
+    schedule_seconds: list[float] = field(default_factory=list)  # each step's whole schedule() call
     deferred_steps: list[int] = field(default_factory=list)  # per answered request
     answer_delay: list[float] = field(default_factory=list)  # arrival -> answer used, seconds
     prompt_tokens: int = 0
@@ -112,6 +113,7 @@ class SchedRun:
             "label": self.label, "requests": self.requests, "finished": self.finished, "steps": self.steps,
             "seconds": self.seconds, "call_us": summary_us(self.calls),
             "blocked_per_step_us": summary_us(self.blocked_per_step),
+            "schedule_us": summary_us(self.schedule_seconds),
             "mean_deferred_steps": self.mean_deferred_steps, "requests_deferred": self.requests_deferred,
             "answer_delay_us": summary_us(self.answer_delay), "reuse_ratio": self.reuse_ratio,
             "store_hit_ratio": self.store_hit_ratio, "outcomes": self.outcomes,
@@ -163,11 +165,14 @@ class Workload:
 def run_mode(rig: Rig, workload: Workload, m: Mode, *, arrivals_per_step: int = 4, steps: int | None = 200,
              seconds: float | None = None, model_step_s: float = 0.0015, first_request: int = 0,
              observers: Iterable[LookupObserver] = (), on_step: Callable[[SchedRun], None] | None = None,
-             should_stop: Callable[[], bool] = lambda: False, drain_s: float = 5.0) -> SchedRun:
+             should_stop: Callable[[], bool] = lambda: False, drain_s: float = 5.0, arrival_every: int = 1,
+             num_blocks: int = 16_384, max_model_len: int = 2048) -> SchedRun:
     """Run vLLM's scheduler in mode ``m``: arrivals for ``steps`` steps (or ``seconds``), then drain.
 
-    ``first_request`` offsets into the workload, so runs can use fresh request ids. ``observers`` are
-    attached to our client (ignored for upstream's). ``on_step`` is called after each step (progress).
+    ``arrivals_per_step`` requests arrive before every ``arrival_every``-th step (long prompts arrive
+    less often, so a run stays short). ``first_request`` offsets into the workload, so runs can use
+    fresh request ids. ``observers`` are attached to our client (ignored for upstream's). ``on_step`` is
+    called after each step (progress). ``num_blocks`` and ``max_model_len`` size the scheduler.
     """
     from mooncake_lookout.connector.rigs.scheduler_driver import (
         SchedulerDriver,
@@ -176,10 +181,11 @@ def run_mode(rig: Rig, workload: Workload, m: Mode, *, arrivals_per_step: int = 
 
     extra = rig.scheduler_extra(m.ours, m.transport, **m.extra)
     if m.ours:
-        config = make_vllm_config(extra)
+        config = make_vllm_config(extra, max_model_len=max_model_len)
     else:
-        config = make_vllm_config(extra, connector="MooncakeStoreConnector", module_path=None)
-    driver = SchedulerDriver(config, num_blocks=16_384, model_step_s=model_step_s)
+        config = make_vllm_config(extra, connector="MooncakeStoreConnector", module_path=None,
+                                  max_model_len=max_model_len)
+    driver = SchedulerDriver(config, num_blocks=num_blocks, model_step_s=model_step_s)
     run = SchedRun(m.label)
     counter = TokenTally()
     try:
@@ -197,8 +203,9 @@ def run_mode(rig: Rig, workload: Workload, m: Mode, *, arrivals_per_step: int = 
         next_req = first_request
         t0 = time.perf_counter()
         while run.steps < budget and time.perf_counter() - t0 < limit and not should_stop():
-            batch = [workload.request(k) for k in range(next_req, next_req + arrivals_per_step)]
-            next_req += arrivals_per_step
+            arriving = arrivals_per_step if run.steps % arrival_every == 0 else 0
+            batch = [workload.request(k) for k in range(next_req, next_req + arriving)]
+            next_req += arriving
             for req_id, prompt in batch:
                 driver.add(driver.make_request(req_id, prompt))
                 arrived[req_id] = time.perf_counter()
@@ -218,6 +225,7 @@ def run_mode(rig: Rig, workload: Workload, m: Mode, *, arrivals_per_step: int = 
         run.requests = len(arrived)
         run.finished = len(driver.stats.finished)
         run.calls = probe.calls
+        run.schedule_seconds = list(driver.stats.step_seconds)
         for req_id, t_add in arrived.items():
             if req_id in probe.answered_at:
                 run.deferred_steps.append(probe.deferrals.get(req_id, 0))
