@@ -7,8 +7,8 @@ measures them against the real thing, and changes nothing in it.
 Against a master (``--master``), in vLLM's key layout for ``--model`` (with its ``cache_prefix``,
 tensor-parallel size and block size: :class:`~mooncake_lookout.connector.rigs.vllm_layout.Layout`):
 
-* **store**: one ``batch_is_exist`` of the keys vLLM's lookup asks for a prompt of 8 to 4,096 blocks,
-  from this process;
+* **server side** (:mod:`.backends`): one lookup of a cold prompt of 8 to 4,096 blocks, in this process:
+  the store call alone, upstream's worker lookup and our in-vLLM backend;
 * **floors** (:mod:`.floors`): the round-trip floor against that master, and the touch floor;
 * a lookup-server process on this host answering from upstream's own ``MooncakeStoreWorker`` for that
   layout, both vLLM's ``LookupKeyServer`` and ours; then scenarios (a), (a4) and (b) with vLLM's client
@@ -44,10 +44,10 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
-from mooncake_lookout.connector.bench import burst, call, per_step
-from mooncake_lookout.connector.bench.rig import ClientMaker, summary_us
+from mooncake_lookout.connector.bench import backends, burst, call, per_step
+from mooncake_lookout.connector.bench.rig import ClientMaker
 from mooncake_lookout.connector.rigs.vllm_layout import Layout
-from mooncake_lookout.connector.rigs.workload import WorkloadRequest, shared_prefix_workload, unique_hashes
+from mooncake_lookout.connector.rigs.workload import WorkloadRequest, shared_prefix_workload
 from mooncake_lookout.connector.transport.names import PIPELINED, UPSTREAM
 
 MAX_KEYS_READ_BYTES = 64 << 20  # the most of /get_all_keys read while sampling keys
@@ -211,24 +211,6 @@ def read_prompts(path: str, block_size: int) -> list[WorkloadRequest]:
 
 # -- measurements ------------------------------------------------------------------------------------------
 
-def store_calls(rig: RemoteRig, blocks: Sequence[int], rounds: int) -> dict[str, Any]:
-    """One ``batch_is_exist`` of a cold prompt's lookup keys, ``rounds`` times per prompt length."""
-    from mooncake_lookout.connector.rigs.vllm_layout import lookup_keys
-
-    out: dict[str, Any] = {}
-    seed = random.getrandbits(30)
-    for n in blocks:
-        keys = [lookup_keys(rig.worker, n * rig.layout.block_size + 1, unique_hashes(n, seed=seed + i))
-                for i in range(rounds)]
-        times = []
-        for ks in keys:
-            t0 = time.perf_counter()
-            rig.store.batch_is_exist(ks)
-            times.append(time.perf_counter() - t0)
-        out[str(n)] = {"keys": len(keys[0]), **summary_us(times)}
-    return out
-
-
 MAX_ANSWERS_KEPT = 1000
 
 
@@ -279,8 +261,9 @@ def run_remote(out_dir: str, layout: Layout, *, master: str | None = None, serve
             from mooncake_lookout.connector.rigs.vllm_layout import key_prefix
 
             remote["key_prefix"] = key_prefix(rig.worker)
-            log("store: one batch_is_exist per lookup ...")
-            results["store"] = store_calls(rig, sizes.store_blocks, sizes.store_rounds)
+            log("server side: one lookup per backend ...")
+            results["backends"] = backends.run(rig.store, rig.worker, blocks=sizes.store_blocks,
+                                               rounds=sizes.store_rounds, block_size=layout.block_size)
         log("(a) one lookup call" + (", with the floors" if rig.floor is not None else "") + " ...")
         a = call.run(rig, requests, rig.floor, names=rig.names)
         a.pop("raw")
@@ -319,7 +302,14 @@ def run_remote(out_dir: str, layout: Layout, *, master: str | None = None, serve
 
 def format_remote_report(r: dict[str, Any]) -> str:
     """The report of ``bench --master`` / ``--server``: what was measured where, the figures, the targets."""
-    from mooncake_lookout.connector.bench.report import a4_block, a_block, b_block, floors_block, fmt, targets_block
+    from mooncake_lookout.connector.bench.report import (
+        a4_block,
+        a_block,
+        b_block,
+        backends_block,
+        floors_block,
+        targets_block,
+    )
 
     remote, machine = r["remote"], r["machine"]
     layout = remote["layout"]
@@ -338,12 +328,9 @@ def format_remote_report(r: dict[str, Any]) -> str:
     if "store_calls_here" in remote:
         writes += f"; {remote['store_calls_here']} existence checks from this process"
     lines += [f"  {writes}", ""]
-    if "store" in r:
-        lines.append("store: one batch_is_exist of a cold prompt's lookup keys from this host, us")
-        for n, v in r["store"].items():
-            lines.append(f"  {n:>5} blocks ({v['keys']:>5} keys)  p50 {fmt(v['p50'])}  p99 {fmt(v['p99'])}")
-        lines.append("")
     blocks = [a_block(r), a4_block(r), b_block(r)]
+    if "backends" in r:
+        blocks.insert(0, backends_block(r))
     if "floors" in r:
         blocks.insert(0, floors_block(r))
     for block in blocks:
@@ -361,4 +348,4 @@ def format_remote_report(r: dict[str, Any]) -> str:
 
 
 __all__ = ["FULL", "QUICK", "RemoteRig", "RemoteSizes", "format_remote_report", "found", "master_key_count",
-           "read_prompts", "run_remote", "sample_hashes", "store_calls"]
+           "read_prompts", "run_remote", "sample_hashes"]

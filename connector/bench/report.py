@@ -77,6 +77,16 @@ def c_block(r: dict[str, Any]) -> list[str]:
                      f"{fmt(m['call_us'].get('max')):>8} {fmt(m['blocked_per_step_us'].get('mean')):>12} "
                      f"{m['mean_deferred_steps']:12.2f} {100 * m['requests_deferred']:10.0f} "
                      f"{fmt(m['answer_delay_us'].get('p50', 0) / 1e3, 2):>13} {m['reuse_ratio']:6.2f}")
+    for m in c["modes"]:
+        budget, collected, state = m.get("wait_budget_us", {}), m.get("sent_to_collected_us", {}), m.get("budget_state")
+        if "budget" in m["label"] and budget.get("n"):
+            lines.append(f"  {m['label']}: wait budget in force p50 {fmt(budget['p50'])} us, "
+                         f"mean {fmt(budget['mean'])} us, {100 * (m['steps_without_wait'] or 0):.0f}% of steps "
+                         f"without a wait; sent -> answer collected p50 {fmt(collected.get('p50'))} "
+                         f"p90 {fmt(collected.get('p90'))} us")
+        if "auto" in m["label"] and state:
+            lines.append(f"    at the end: measured round trip p90 {fmt(state['rtt_p90_us'])} us, step interval "
+                         f"{fmt(state['step_interval_us'])} us, cap {fmt(state['cap_us'])} us")
     return lines
 
 
@@ -140,6 +150,19 @@ def b_block(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def backends_block(r: dict[str, Any]) -> list[str]:
+    """The server's side: one lookup per backend, in-process, and our in-vLLM backend / upstream's."""
+    lines = ["server side: one lookup of a cold prompt, in-process, p50 us (keys no store holds)",
+             f"  {'blocks':>6} {'keys':>5} {'batch_is_exist':>14} {'PrefixIndex':>11} {'upstream worker':>15} "
+             f"{'WorkerBackend':>13} {'ours / upstream (in vLLM)':>25}"]
+    for n, v in r["backends"].items():
+        lines.append(f"  {n:>6} {v['keys']:>5} {fmt(v['batch_is_exist']['p50']):>14} "
+                     f"{fmt(v['prefix_index']['p50']):>11} {fmt(v['upstream_worker']['p50']):>15} "
+                     f"{fmt(v['worker_backend']['p50']):>13} "
+                     f"{fmt(ratio(v['worker_backend']['p50'], v['upstream_worker']['p50']), 2):>25}")
+    return lines
+
+
 def targets_block(entries: list[dict[str, Any]]) -> list[str]:
     """The targets, one line each."""
     lines = ["targets (ratio = ours / reference; met when within the bound):"]
@@ -151,5 +174,5 @@ def targets_block(entries: list[dict[str, Any]]) -> list[str]:
 
 
 
-__all__ = ["a4_block", "a_block", "b_block", "c_block", "d_block", "e_block", "f_block", "floors_block", "fmt",
-           "ratio", "targets_block"]
+__all__ = ["a4_block", "a_block", "b_block", "backends_block", "c_block", "d_block", "e_block", "f_block",
+           "floors_block", "fmt", "ratio", "targets_block"]

@@ -1,7 +1,8 @@
 """``mooncake-lookout bench``: upstream's lookup path vs ours vs the machine's floors, in one run, on one real master.
 
 Scenarios (one module each in this package): the floors (:mod:`.floors`, measured within (a)); (a)
-:mod:`.call` scheduler-path cost of one call; (a4) :mod:`.per_step` k lookups arriving in one step; (b)
+:mod:`.call` scheduler-path cost of one call; (a4) :mod:`.per_step` k lookups arriving in one step; the
+server side per backend (:mod:`.backends`, in-process, read-only); (b)
 :mod:`.burst` a burst of new requests; (c) :mod:`.sched` vLLM's real scheduler per lookup mode; (d)
 :mod:`.overhead` metrics and spans on vs off; (e) :mod:`.fault` the store slowed or stopped; (f)
 :mod:`.long_prompts` prompts of 8 to 4,096 blocks through vLLM's scheduler.
@@ -26,6 +27,7 @@ from mooncake_lookout.connector.bench.report import (
     a4_block,
     a_block,
     b_block,
+    backends_block,
     c_block,
     d_block,
     e_block,
@@ -57,10 +59,11 @@ class Sizes:
     budgets_us: tuple[int, ...]
     per_step_rounds: int
     lengths: tuple[long_prompts.Length, ...]
+    backend_rounds: int
 
 
-QUICK = Sizes(100, 256, 1, 100, 6, 20, 2.0, (BUDGET_US,), 6, long_prompts.QUICK)
-FULL = Sizes(500, 256, 5, 400, 24, 100, 5.0, (BUDGET_US, 500, 1000), 40, long_prompts.FULL)
+QUICK = Sizes(100, 256, 1, 100, 6, 20, 2.0, (BUDGET_US,), 6, long_prompts.QUICK, 5)
+FULL = Sizes(500, 256, 5, 400, 24, 100, 5.0, (BUDGET_US, 500, 1000), 40, long_prompts.FULL, 30)
 
 
 def _modes(sizes: Sizes) -> list[Any]:
@@ -100,6 +103,8 @@ def run_bench(out_dir: str, *, quick: bool = False, log: Callable[[str], None] =
         results["a"] = a
         log("(a4) k lookups arriving in one step ...")
         results["a4"] = per_step.run(rig, call_reqs, rounds=sizes.per_step_rounds)
+        log("server side: one lookup per backend ...")
+        results["backends"] = _backends(rig, sizes.backend_rounds)
         log(f"(b) burst of {sizes.burst_n} ...")
         results["b"] = burst.run(rig, burst_reqs, repeats=sizes.burst_repeats)
         log("(c) vLLM's scheduler per lookup mode ...")
@@ -125,6 +130,21 @@ def run_bench(out_dir: str, *, quick: bool = False, log: Callable[[str], None] =
     results["plots"] = write_all(results, raw_latency, out_dir)
     log(table)
     return results
+
+
+def _backends(rig: Any, rounds: int) -> dict[str, Any]:
+    """The server-side cost per backend, over a lookup-only client of the rig's master (vLLM's layout for a
+    model named ``bench``)."""
+    from mooncake_lookout.connector.bench import backends
+    from mooncake_lookout.connector.rigs.vllm_layout import Layout, ReadOnlyStore, layout_worker
+    from mooncake_lookout.connector.server.store import open_store
+
+    client = open_store(rig.master.rpc_address)
+    try:
+        store = ReadOnlyStore(client)
+        return backends.run(store, layout_worker(store, Layout("bench")), rounds=rounds)
+    finally:
+        client.close()
 
 
 def _json_default(obj: Any) -> Any:
@@ -240,8 +260,8 @@ def format_report(r: dict[str, Any]) -> str:
     end = machine.get("loadavg_at_end", [float("nan")])[0]
     lines = [f"mooncake-lookout bench ({'quick' if r['quick'] else 'full'}; {machine['cpus']} CPUs, "
              f"Python {machine['python']}, load average {start:.2f} at start, {end:.2f} at end)", ""]
-    for block in (floors_block(r), a_block(r), a4_block(r), b_block(r), c_block(r), d_block(r), e_block(r),
-                  f_block(r)):
+    for block in (floors_block(r), a_block(r), a4_block(r), backends_block(r), b_block(r), c_block(r), d_block(r),
+                  e_block(r), f_block(r)):
         lines += block + [""]
     return "\n".join(lines + targets_block(r["targets"]))
 

@@ -86,6 +86,9 @@ class SchedRun:
     store_queried_tokens: int = 0
     store_hit_tokens: int = 0
     outcomes: dict[str, int] = field(default_factory=dict)
+    wait_budgets: list[float] = field(default_factory=list)  # ours: each step's wait budget in force, seconds
+    sent_to_collected: list[float] = field(default_factory=list)  # ours: sent -> answer collected, seconds
+    budget_state: dict[str, float | None] = field(default_factory=dict)  # ours: what the wait budget knew at the end
 
     @property
     def reuse_ratio(self) -> float:
@@ -117,6 +120,10 @@ class SchedRun:
             "mean_deferred_steps": self.mean_deferred_steps, "requests_deferred": self.requests_deferred,
             "answer_delay_us": summary_us(self.answer_delay), "reuse_ratio": self.reuse_ratio,
             "store_hit_ratio": self.store_hit_ratio, "outcomes": self.outcomes,
+            "wait_budget_us": summary_us(self.wait_budgets), "sent_to_collected_us": summary_us(self.sent_to_collected),
+            "budget_state": self.budget_state,
+            "steps_without_wait": (sum(1 for b in self.wait_budgets if b <= 0) / len(self.wait_budgets)
+                                   if self.wait_budgets else None),
         }
 
 
@@ -236,6 +243,13 @@ def run_mode(rig: Rig, workload: Workload, m: Mode, *, arrivals_per_step: int = 
                 run.computed_tokens += computed
         run.outcomes = {o.value: n for o, n in counter.outcomes.items() if n}
         run.store_queried_tokens, run.store_hit_tokens = counter.queried_tokens, counter.hit_tokens
+        run.wait_budgets, run.sent_to_collected = counter.wait_budgets, counter.sent_to_collected
+        if m.ours:
+            budget = driver.connector.lookup_client.budget
+            p90 = budget.rtt_p90_s
+            run.budget_state = {"rtt_p90_us": p90 * 1e6 if p90 is not None else None,
+                                "step_interval_us": budget.step_interval_s * 1e6,
+                                "cap_us": budget.share * budget.step_interval_s * 1e6}
     finally:
         if not m.ours:  # upstream's connector never closes its lookup client on the scheduler side
             close_upstream_client(driver.connector.connector_scheduler.client)
@@ -244,17 +258,30 @@ def run_mode(rig: Rig, workload: Workload, m: Mode, *, arrivals_per_step: int = 
 
 
 class TokenTally(OutcomeCounter):
-    """An :class:`OutcomeCounter` that also adds up tokens asked about and tokens found."""
+    """An :class:`OutcomeCounter` that also adds up tokens asked about and tokens found, and keeps each
+    step's wait budget and each lookup's time from sent to answer collected (the round trip when the
+    answer was waited for; up to a step more when it was collected at a later step's drain)."""
 
     def __init__(self) -> None:
         super().__init__(keep=0)
         self.queried_tokens = 0
         self.hit_tokens = 0
+        self.wait_budgets: list[float] = []
+        self.sent_to_collected: list[float] = []
 
     def consumed(self, rec: LookupRecord) -> None:
         super().consumed(rec)
         self.queried_tokens += rec.num_tokens
         self.hit_tokens += rec.hit_tokens
+
+    def answered(self, rec: LookupRecord) -> None:
+        super().answered(rec)
+        if rec.t_start is not None and rec.t_answer is not None:
+            self.sent_to_collected.append(rec.t_answer - rec.t_start)
+
+    def step_ended(self, wait_budget_s: float, held: int) -> None:
+        super().step_ended(wait_budget_s, held)
+        self.wait_budgets.append(wait_budget_s)
 
 
 def _step(driver: Any, probe: CallProbe, run: SchedRun) -> None:
