@@ -133,6 +133,7 @@ def test_a_read_only_store_lets_only_existence_checks_through(store: Any, prefix
     (["bench", "--model", "x"], "--model only go with --master or --server"),
     (["bench", "--master", "127.0.0.1:1", "--model", ".."], "model name"),
     (["bench", "--master", "127.0.0.1:1", "--model", "m", "--sample-keys", "3"], "--master-http"),
+    (["bench", "--master", "127.0.0.1:1", "--model", "m", "--quick"], "is the master running and reachable?"),
 ])
 def test_bench_remote_refuses_what_it_cannot_do(argv: list[str], says: str, tmp_path: Path) -> None:
     proc = subprocess.run([str(SCRIPT), *argv, "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)

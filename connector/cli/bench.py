@@ -36,12 +36,13 @@ def _run_remote(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"bench: {e}") from None
     from mooncake_lookout.connector.bench.remote import run_remote
+    from mooncake_lookout.connector.server.store import MasterError
 
     try:
         results = run_remote(args.out, layout, master=args.master, server=args.server, server_wire=args.server_wire,
                              master_http=args.master_http, prompts_file=args.prompts, sample_keys=args.sample_keys,
                              quick=args.quick)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, MasterError) as e:
         raise SystemExit(f"bench: {e}") from None
     print(f"wrote {args.out}/bench.json and {args.out}/bench.txt in {results['seconds']:.0f} s")
     return 0
