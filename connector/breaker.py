@@ -1,12 +1,16 @@
 """A circuit breaker for lookups: after K consecutive failures, answer misses at once for a cool-down.
 
-Used only from the caller's thread (the client settles answers there), so it needs no lock.
+Used only from the caller's thread (the client settles answers there), so it needs no lock. Each
+transition is logged at WARNING; it changes at most once per cool-down, which bounds the rate.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
 
 
 class CircuitBreaker:
@@ -47,6 +51,7 @@ class CircuitBreaker:
             self._consecutive = 0
             if self._open_until is not None:
                 self._open_until = self._probe_since = None
+                logger.warning("lookup circuit breaker closed: a probe was answered, lookups go to the server again")
                 self._on_change(False)
             return
         self._consecutive += 1
@@ -55,6 +60,9 @@ class CircuitBreaker:
             self._open_until = self._clock() + self.cooldown_s
             self._probe_since = None
             if not was_open:
+                logger.warning("lookup circuit breaker OPEN after %d consecutive failures (timeouts, errors): "
+                               "lookups answer a miss at once for %.1f s, then one probe decides",
+                               self.failures, self.cooldown_s)
                 self._on_change(True)
 
     def probe_abandoned(self) -> None:

@@ -36,7 +36,8 @@ from typing import Any
 from mooncake_lookout.connector.breaker import CircuitBreaker
 from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.events import LookupObserver, LookupRecord, ObserverSet, Outcome
-from mooncake_lookout.connector.job import Answer, LookupJob, LookupResult
+from mooncake_lookout.connector.job import Answer, LookupJob, LookupResult, TailKeyBoundary
+from mooncake_lookout.connector.prefix_cache import PrefixCache, StoreView
 from mooncake_lookout.connector.transport.base import Transport, TransportClosed
 from mooncake_lookout.connector.wait_budget import WaitBudget
 
@@ -73,16 +74,20 @@ class LookupClient:
         self.observers = observer if isinstance(observer, ObserverSet) else ObserverSet(
             [observer] if observer is not None else [])
         if transport.on_late_reply is None:
-            transport.on_late_reply = self.observers.late_reply
+            transport.on_late_reply = lambda: self.observers.late_reply()  # observers may be added later
         self.breaker = CircuitBreaker(
             config.lookup_breaker_failures, config.lookup_breaker_cooldown_s,
-            probe_timeout_s=config.timeout_s, on_change=self._breaker_changed)
+            probe_timeout_s=config.timeout_s, on_change=lambda is_open: self.observers.breaker_changed(is_open))
         self.budget = WaitBudget(config.wait_s, share=config.lookup_wait_auto_share)
         self.generation = 0
-        self.pending = 0  # lookups submitted and not yet answered to the caller (what the pending gauge shows)
+        self._open = 0  # lookups submitted and not yet answered to the caller
         self._entries: dict[str, _Entry] = {}
         self._unsent: list[LookupJob] = []
         self._held: OrderedDict[str, None] = OrderedDict()  # answered entries kept for retries, oldest first
+        # The store's epoch as replies name it (a wipe by anyone changes it) and the prefix cache under it,
+        # on once the scheduler adapter says the layout allows it (prefix_cache.py).
+        self.store_view = StoreView(config, self.observers.cache_cleared)
+        transport.on_epoch = self.store_view.heard
         # Until the scheduler adapter calls end_step, nothing is known of steps: every call sends and drains.
         self._stepped = False
         self._sent_this_step = False
@@ -98,19 +103,25 @@ class LookupClient:
         config = LookupConfig.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
         return cls(config, make_transport(config, lookup_address(vllm_config, config)), observer=observer)
 
-    def _breaker_changed(self, is_open: bool) -> None:
-        # Logged at WARNING both ways; it changes at most once per cool-down, which bounds the rate.
-        if is_open:
-            logger.warning("lookup circuit breaker OPEN after %d consecutive failures (timeouts, errors): lookups "
-                           "answer a miss at once for %.1f s, then one probe decides",
-                           self.config.lookup_breaker_failures, self.config.lookup_breaker_cooldown_s)
-        else:
-            logger.warning("lookup circuit breaker closed: a probe was answered, lookups go to the server again")
-        self.observers.breaker_changed(is_open)
+    def enable_prefix_cache(self, block_size: int) -> bool:
+        """Remember found blocks for prompts of ``block_size``-token blocks, each hash one block (the adapter
+        calls this for a layout where that holds). True if now on."""
+        return self.store_view.enable(block_size)
+
+    @property
+    def cache(self) -> PrefixCache | None:
+        """The prefix cache, when on."""
+        return self.store_view.cache
+
+    @property
+    def pending(self) -> int:
+        """Lookups submitted and not yet answered to the scheduler (or discarded): what ``lookup_max_pending``
+        bounds. Answers kept for requests not yet allocated are not pending (see :attr:`held`)."""
+        return self._open
 
     @property
     def held(self) -> int:
-        """Answers held for requests not yet allocated."""
+        """Answers kept for requests not yet allocated."""
         return len(self._held)
 
     # -- the scheduler's calls ---------------------------------------------------------------------------
@@ -136,6 +147,11 @@ class LookupClient:
         if job.answer is None:
             self._await(job, non_block, called)
         answer = job.answer
+        if answer is not None and job.rec.t_answer is not None and job.rec.t_answer < self.store_view.wiped_at:
+            # Answered before the store was wiped (a reply read in the same drain told of the wipe): ask again.
+            self.observers.answer_dropped(entry.rec, "wiped")
+            self._drop(req_id, entry)
+            return None if non_block else self.lookup(req_id, num_tokens, block_hashes, trace_headers=trace_headers)
         if answer is None:
             now = time.perf_counter()
             queued_behind_failure = job.sent_at is None and self.transport.overdue(now)
@@ -164,7 +180,7 @@ class LookupClient:
             self._drop(req_id, entry)
             entry = None
         if entry is None:
-            if admission and self._awaiting() >= self.config.lookup_max_pending:
+            if admission and self._open >= self.config.lookup_max_pending:
                 return None
             entry = self._submit(req_id, num_tokens, block_hashes, key, trace_headers)
         return entry
@@ -175,7 +191,8 @@ class LookupClient:
         self._stepped = True
         self._sent_this_step = self._drained_this_step = False
         self.budget.new_step(time.perf_counter())
-        self.observers.step_ended(self.budget.in_force_s, len(self._held))
+        self.observers.step_ended(self.budget.in_force_s, len(self._held), len(self.cache or ()),
+                                  self.budget.last_interval_s)
 
     def discard(self, req_id: str) -> None:
         """Forget ``req_id``'s lookup (allocated, finished, aborted, preempted); an unsent one is never sent."""
@@ -192,6 +209,7 @@ class LookupClient:
         self.generation += 1
         for req_id, entry in list(self._entries.items()):
             self._drop(req_id, entry)
+        self.store_view.clear("reset")
         if self._closed:
             return False
         return self.transport.reset(self.config.lookup_reset_timeout_s)
@@ -214,11 +232,15 @@ class LookupClient:
         """Is ``entry`` still the lookup for this request: same prompt, same generation, answer young enough?"""
         if entry.key != key or entry.rec.generation != self.generation:
             return False
-        if entry.final is None or entry.rec.t_start is None:
+        rec = entry.rec
+        if entry.final is None or rec.valid_until is None:
             return True
-        if time.perf_counter() - entry.rec.t_start <= self.config.answer_ttl_s:
+        if rec.t_answer is not None and rec.t_answer < self.store_view.wiped_at:
+            self.observers.answer_dropped(rec, "wiped")
+            return False
+        if time.perf_counter() <= rec.valid_until:
             return True
-        self.observers.answer_dropped(entry.rec, "expired")
+        self.observers.answer_dropped(rec, "expired")
         return False
 
     def _submit(self, req_id: str, num_tokens: int, block_hashes: Sequence[bytes], key: _Key,
@@ -229,7 +251,7 @@ class LookupClient:
         probe = False
         if self._closed:
             refused = Outcome.ERROR
-        elif self._awaiting() >= self.config.lookup_max_pending:
+        elif self._open >= self.config.lookup_max_pending:
             refused = Outcome.REJECTED
         elif not self.breaker.allow():
             refused = Outcome.BREAKER_OPEN
@@ -238,17 +260,28 @@ class LookupClient:
         job = None if refused else LookupJob(rec, block_hashes, self.config.timeout_s, self.observers)
         entry = _Entry(rec, key, job, probe)
         self._entries[req_id] = entry
-        self.pending += 1
+        self._open += 1
         self.observers.submitted(rec)
         if refused is not None:
             self._settle(req_id, entry, Answer(refused, error=refused.value, local=True))
-        else:
+        elif not self._from_cache(req_id, entry, num_tokens):
             self._unsent.append(job)  # type: ignore[arg-type]
         return entry
 
-    def _awaiting(self) -> int:
-        """Lookups awaiting an answer (queued here or in the transport, or in flight): what the bound counts."""
-        return len(self._unsent) + self.transport.awaiting
+    def _from_cache(self, req_id: str, entry: _Entry, num_tokens: int) -> bool:
+        """Ask the prefix cache: it marks the blocks it knows (the server skips them); True if it answered all."""
+        job = entry.job
+        now = time.perf_counter()
+        local = self.store_view.plan(job, num_tokens, now) if job is not None else None
+        if local is None:
+            return False
+        hit, until = local  # every block that can count is known present, and no wipe was reported lately
+        rec = entry.rec
+        rec.from_cache = True
+        rec.t_answer = now
+        rec.valid_until = until
+        self._settle(req_id, entry, Answer(Outcome.HIT, LookupResult(hit, (TailKeyBoundary(0, hit),)), local=True))
+        return True
 
     def _tick(self, non_block: bool) -> None:
         """This step's send and drain, if not done yet: the first call of a step sends every lookup started
@@ -310,9 +343,15 @@ class LookupClient:
         rec.hit_tokens = answer.result.hit_length
         rec.error = answer.error
         rec.t_consume = time.perf_counter()
-        if not answer.local and entry.job is not None and entry.job.sent_at is not None:
+        job = entry.job
+        if not answer.local and job is not None and job.sent_at is not None:
             self.breaker.record(not answer.failed)
-        self.pending -= 1
+            rec.valid_until = job.sent_at + self.config.answer_ttl_s
+            if answer.failed:
+                self.store_view.clear("failure")  # the master may have restarted: what was known may be gone
+            else:
+                self.store_view.remember(job, answer.result.hit_length)
+        self._open -= 1
         self.observers.consumed(rec)
         entry.final = answer
         entry.job = None
@@ -345,7 +384,7 @@ class LookupClient:
         rec = entry.rec
         rec.outcome = Outcome.DISCARDED
         rec.t_consume = time.perf_counter()
-        self.pending -= 1
+        self._open -= 1
         self.observers.discarded(rec)
 
 

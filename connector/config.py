@@ -98,6 +98,17 @@ class LookupConfig:
                 "the master's `--default_kv_lease_ttl` (10 s by default), so a served hit is still leased "
                 "when it loads",
         lambda v: 0 < v <= 3_600_000, "> 0 and <= 3600000")
+    lookup_prefix_cache_blocks: int = _key(
+        131072, "block hashes the scheduler remembers as present in the store (each for at most "
+                "`lookup_answer_ttl_ms` after the lookup that found it was sent, inside the master's lease), so "
+                "a long prompt asks only for its new blocks; 0 turns the prefix cache off",
+        lambda v: 0 <= v <= 100_000_000, "0..100000000")
+    lookup_prefix_cache_confirm_ms: float = _key(
+        0.0, "0: every lookup goes to the server, which asks the store only for blocks the prefix cache does not "
+             "know (a wipe by any instance is always seen); > 0: a lookup the cache covers whole is answered "
+             "with no round trip if the server confirmed the store's epoch within this many ms, at the price of "
+             "that long a window after another instance's reset",
+        lambda v: 0 <= v <= 60_000, "0..60000")
     lookup_reset_timeout_s: float = _key(
         60.0, "how long `reset` (vLLM's `reset_prefix_cache`) waits for the server to wipe the store",
         lambda v: 0 < v <= 3600, "> 0 and <= 3600")

@@ -55,6 +55,12 @@ class LookupRecord:
     error: str | None = None
     # The request's own trace context (vLLM's ``trace_headers``), so its lookup span can join the trace.
     trace_headers: Mapping[str, str] | None = None
+    # The prefix cache: blocks that could count, blocks it already knew present, answered with no round trip.
+    countable_blocks: int = 0
+    known_blocks: int = 0
+    from_cache: bool = False
+    # Until when a kept answer may be served (from when it was sent; a cached one: its blocks' lease).
+    valid_until: float | None = None
     # Observers keep their own per-lookup state here (a span, say), keyed by their own name.
     scratch: dict[str, Any] = field(default_factory=dict)
 
@@ -101,7 +107,9 @@ class LookupObserver(Protocol):
     def scheduler_call(self, mode: str, seconds: float) -> None: ...
     def late_reply(self) -> None: ...
     def answer_dropped(self, rec: LookupRecord, reason: str) -> None: ...
-    def step_ended(self, wait_budget_s: float, held: int) -> None: ...
+    def step_ended(self, wait_budget_s: float, held: int, cached_blocks: int,
+                   interval_s: float | None = None) -> None: ...
+    def cache_cleared(self, reason: str, blocks: int) -> None: ...
 
 
 class NullObserver:
@@ -135,10 +143,18 @@ class NullObserver:
         """A reply came for a lookup that had already ended, or for none."""
 
     def answer_dropped(self, rec: LookupRecord, reason: str) -> None:
-        """A held answer was forgotten before use: ``expired`` (older than its TTL) or ``evicted`` (bound)."""
+        """A held answer was forgotten before use: ``expired`` (older than its TTL), ``evicted`` (bound) or
+        ``wiped`` (the store was wiped since it was answered)."""
 
-    def step_ended(self, wait_budget_s: float, held: int) -> None:
-        """A scheduling step ended: the next step's wait budget, and the answers held for waiting requests."""
+    def step_ended(self, wait_budget_s: float, held: int, cached_blocks: int,
+                   interval_s: float | None = None) -> None:
+        """A scheduling step ended: the next step's wait budget, the answers held for requests not yet
+        allocated, the blocks the prefix cache remembers, and the seconds since the previous step ended
+        (``None`` for the first step)."""
+
+    def cache_cleared(self, reason: str, blocks: int) -> None:
+        """The prefix cache forgot ``blocks`` blocks: ``reset``, ``epoch`` (the store was wiped, by anyone)
+        or ``failure`` (a lookup failed: the master may have restarted)."""
 
 
 def events_of(base: type) -> tuple[str, ...]:

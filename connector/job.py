@@ -97,12 +97,13 @@ class HashBlob(Sequence[bytes]):
         size = self.hash_len
         return (self.blob[k * size:(k + 1) * size] for k in range(len(self)))
 
-    def hex(self, count: int | None = None) -> list[str]:
-        """Hex digits of the first ``count`` hashes (all by default)."""
+    def hex(self, count: int | None = None, start: int = 0) -> list[str]:
+        """Hex digits of the hashes from ``start`` up to ``count`` (all by default)."""
         n = len(self) if count is None else min(count, len(self))
+        start = min(max(start, 0), n)
         step = 2 * self.hash_len
-        digits = self.blob[:n * self.hash_len].hex()
-        return [digits[k:k + step] for k in range(0, n * step, step)]
+        digits = self.blob[start * self.hash_len:n * self.hash_len].hex()
+        return [digits[k:k + step] for k in range(0, (n - start) * step, step)]
 
 
 class DoneFlag:
@@ -141,7 +142,7 @@ class LookupJob:
     """
 
     __slots__ = ("rec", "num_tokens", "block_hashes", "timeout_s", "latest", "sent_at", "deadline", "answer",
-                 "done", "cancelled", "lookup_id", "_observer")
+                 "done", "cancelled", "lookup_id", "known", "epoch", "_observer")
 
     def __init__(self, rec: LookupRecord, block_hashes: Sequence[bytes], timeout_s: float,
                  observer: LookupObserver) -> None:
@@ -159,6 +160,8 @@ class LookupJob:
         # not sent yet (a plain attribute: written by one thread, read by another, no lock needed).
         self.cancelled = False
         self.lookup_id = 0
+        self.known = 0  # leading blocks the client knows are present: the server asks the store only for the rest
+        self.epoch = 0  # the store's epoch those blocks were found in (the server ignores them in another)
         self._observer = observer
 
     def expired(self, now: float) -> bool:

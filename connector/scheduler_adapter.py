@@ -24,7 +24,15 @@ from mooncake_lookout.connector.addresses import lookup_address
 from mooncake_lookout.connector.client import LookupClient
 from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.events import BackgroundObserver, LookupObserver
-from mooncake_lookout.connector.transport import make_transport
+from mooncake_lookout.connector.transport import PIPELINED, make_transport
+
+
+def _one_block_per_hash(kv_cache_config: Any, scheduler: Any) -> bool:
+    """True for the layout the prefix cache answers for itself: one full-attention cache group, one hash per
+    block (then a hit is a count of leading blocks and its tail boundary is the hit itself)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    return (len(groups) == 1 and type(groups[0].kv_cache_spec).__name__ == "FullAttentionSpec"
+            and not scheduler.enable_partial_hash_hits and scheduler._block_size == scheduler._hash_block_size)
 
 
 def retire_upstream_client(client: Any) -> None:
@@ -49,6 +57,8 @@ class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
         self.lookup_async = config.lookup_async
         self.client = LookupClient(config, make_transport(config, lookup_address(vllm_config, config)),
                                    observer=observer)
+        if config.lookup_transport == PIPELINED and _one_block_per_hash(kv_cache_config, self):
+            self.client.enable_prefix_cache(self._block_size)
         self.observers = self.client.observers
         # vLLM's stats pipeline (served on vLLM's own /metrics) and, if OTEL_* asks for it, spans.
         from mooncake_lookout.metrics.tracing import tracing_observer_from_env

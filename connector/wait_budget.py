@@ -9,7 +9,8 @@ waiting many times over.
 if that fits in ``lookup_wait_auto_share`` of the measured step interval and most waits are answered in
 time; otherwise (the store is far, or slow right now) the budget is 0 and the scheduler defers at once.
 While the budget is 0, one step in :data:`PROBE_EVERY` still waits up to the cap, to notice when the store
-is close again. Used only from the scheduler's thread.
+is close again. Auto gives up the same way when no answer has ever come within the cap (no round trip
+measured, most of its first :data:`LEARN_WAITS` waits ran out). Used only from the scheduler's thread.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ MAX_RAN_OUT = 0.5  # past this share of waits running out, auto stops waiting (a
 PROBE_EVERY = 32  # steps between probes while auto has given up waiting
 MARGIN_S = 50e-6  # added to the p90: wake-up and decode after the reply lands
 FIRST_STEP_S = 0.010  # step interval assumed until two steps have been seen
+LEARN_WAITS = 8  # waits that may run out before auto, having caught no answer at all, stops waiting
 
 
 class WaitBudget:
@@ -38,6 +40,7 @@ class WaitBudget:
         self._p90_s: float | None = None  # unknown until measured
         self._fresh = 0
         self._last_step: float | None = None
+        self.last_interval_s: float | None = None  # seconds between the last two steps; None before two
         self._steps = 0
 
     @property
@@ -77,15 +80,16 @@ class WaitBudget:
     def new_step(self, now: float) -> float:
         """A scheduling step begins: refresh the budget (``auto``: from the round trip and step interval)."""
         if self._last_step is not None:
-            self.step_interval_s += 0.2 * ((now - self._last_step) - self.step_interval_s)
+            self.last_interval_s = now - self._last_step
+            self.step_interval_s += 0.2 * (self.last_interval_s - self.step_interval_s)
         self._last_step = now
         self._steps += 1
         if self.auto:
             cap = self.share * self.step_interval_s
             ran_out = sum(self._ran_out) / len(self._ran_out) if self._ran_out else 0.0
-            if self._p90_s is None:
+            if self._p90_s is None and (len(self._ran_out) < LEARN_WAITS or ran_out <= MAX_RAN_OUT):
                 self.in_force_s = cap  # nothing measured yet: wait up to the cap to learn
-            elif self._p90_s + MARGIN_S <= cap and ran_out <= MAX_RAN_OUT:
+            elif self._p90_s is not None and self._p90_s + MARGIN_S <= cap and ran_out <= MAX_RAN_OUT:
                 self.in_force_s = self._p90_s + MARGIN_S
             else:
                 self.in_force_s = cap if self._steps % PROBE_EVERY == 0 else 0.0

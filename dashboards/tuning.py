@@ -68,11 +68,19 @@ def _panels(p: Panels) -> list[tuple[db.Row, list[Any]]]:
         (p.row("Scheduler cost (what every request pays)"), [
             p.timeseries("Scheduler blocked per call, by mode", "Time one scheduler call spent inside the "
                          "lookup path: a round trip in sync mode, at most the wait budget in budget mode.",
-                         _quantiles(blocked, BY_MODE), "s"),
+                         _quantiles(blocked, BY_MODE), "s", width=8),
             p.timeseries("Share of scheduler time inside lookups", "Seconds per second the scheduler spent "
                          "inside the lookup path: the slice of every step lost to lookups.",
                          [Query(q.rate_sum(q.series(blocked, "_sum"), BY_MODE), "{{mode}} {{instance}}")],
-                         "percentunit"),
+                         "percentunit", width=8),
+            p.timeseries("Step interval and lookup time per step", "Time between two scheduler steps (what "
+                         "lookup_wait_us auto caps its wait by, a share of it) beside the time each step spent "
+                         "inside the lookup path; mooncake-lookout advise reads the same figures.",
+                         [*(Query(q.quantile(c.STEP_INTERVAL_SECONDS, x, BY_INSTANCE), f"step p{round(x * 100)} "
+                                  "{{instance}}") for x in QUANTILES[:2]),
+                          Query(q.ratio(q.rate_sum(q.series(blocked, "_sum"), BY_INSTANCE),
+                                        q.rate_sum(q.series(c.STEP_INTERVAL_SECONDS, "_count"), BY_INSTANCE)),
+                                "lookup time per step {{instance}}")], "s", width=8),
         ]),
         (p.row("Deferral (what the request pays)"), [
             p.timeseries("Deferred steps per lookup", "Scheduler steps a request was parked before its lookup "
@@ -99,6 +107,22 @@ def _panels(p: Panels) -> list[tuple[db.Row, list[Any]]]:
                           Query(q.gauge(c.MAX_HELD.name, "max", BY_INSTANCE), "bound {{instance}}"),
                           Query(q.counter_rate(c.ANSWERS_DROPPED, ("reason", "instance")),
                                 "dropped/s {{reason}} {{instance}}")], "none"),
+        ]),
+        (p.row("Prefix cache (long prompts ask only for what is new)"), [
+            p.timeseries("Blocks the prefix cache knew", "Of the blocks that could count toward a hit, the share "
+                         "the prefix cache knew present (not asked of the store), and lookups it answered whole "
+                         "with no round trip per second. Multi-turn chat and RAG approach 1 from the second turn.",
+                         [Query(q.ratio(q.counter_rate(c.PREFIX_CACHE_KNOWN_BLOCKS, BY_INSTANCE),
+                                        q.counter_rate(c.PREFIX_CACHE_QUERY_BLOCKS, BY_INSTANCE)),
+                                "known share {{instance}}"),
+                          Query(q.counter_rate(c.PREFIX_CACHE_ANSWERS, BY_INSTANCE),
+                                "answered locally/s {{instance}}")], "percentunit"),
+            p.timeseries("Prefix cache size and clears", "Blocks remembered (against lookup_prefix_cache_blocks) "
+                         "and clears per second by reason: reset (this instance), epoch (the store was wiped by "
+                         "any instance, or the master restarted), failure (a lookup failed).",
+                         [Query(q.gauge(c.PREFIX_CACHE_BLOCKS.name, "sum", BY_INSTANCE), "blocks {{instance}}"),
+                          Query(q.counter_rate(c.PREFIX_CACHE_CLEARS, ("reason", "instance")),
+                                "clears/s {{reason}} {{instance}}")], "none"),
         ]),
         (p.row("Lookup delay (what the answer costs end to end)"), [
             p.timeseries("Submit to answer used", "From submitting a lookup to the scheduler using the answer.",

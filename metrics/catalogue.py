@@ -22,7 +22,8 @@ BATCH_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
 
 OUTCOMES: tuple[str, ...] = tuple(o.value for o in Outcome)  # the ``outcome`` label: how a lookup ended
 MODES: tuple[str, ...] = ("sync", "async", "budget")
-DROP_REASONS: tuple[str, ...] = ("expired", "evicted")
+DROP_REASONS: tuple[str, ...] = ("expired", "evicted", "wiped")
+CACHE_CLEAR_REASONS: tuple[str, ...] = ("reset", "epoch", "failure")
 SERVER_STATUSES: tuple[str, ...] = ("ok", "error", "bad_request")
 
 
@@ -60,30 +61,48 @@ def _m(key: str, kind: str, help: str, labels: tuple[str, ...] = (), buckets: tu
 REQUESTS = _m("requests", "counter", "Lookups by how they ended.", ("outcome",))
 QUERIED_TOKENS = _m("queried_tokens", "counter", "Prompt tokens the store answered for (hits and misses).")
 HIT_TOKENS = _m("hit_tokens", "counter", "Prompt tokens found in the store.")
-PENDING = _m("pending", "gauge", "Lookups queued or in flight, not yet answered to the scheduler.")
+PENDING = _m("pending", "gauge", "Lookups submitted and not yet answered to the scheduler: what lookup_max_pending "
+             "bounds.")
 MAX_PENDING = _m("max_pending", "gauge", "The configured bound on pending lookups (lookup_max_pending).")
-HELD = _m("held", "gauge", "Answers held for requests not yet allocated.")
+HELD = _m("held", "gauge", "Answers kept for requests not yet allocated (not pending: bounded by lookup_max_held).")
 MAX_HELD = _m("max_held", "gauge", "The configured bound on held answers (lookup_max_held).")
 ANSWERS_DROPPED = _m("answers_dropped", "counter",
                      "Held answers forgotten before use: expired (older than lookup_answer_ttl_ms), evicted (bound).",
                      ("reason",))
 WAIT_BUDGET_SECONDS = _m("wait_budget_seconds", "gauge",
                          "The per-step wait budget in force (lookup_wait_us, or what auto chose).")
+PREFIX_CACHE_BLOCKS = _m("prefix_cache_blocks", "gauge",
+                         "Block hashes the prefix cache remembers as present in the store (within their lease).")
+PREFIX_CACHE_QUERY_BLOCKS = _m("prefix_cache_query_blocks", "counter",
+                               "Blocks that could count toward a hit, over lookups with the prefix cache on.")
+PREFIX_CACHE_KNOWN_BLOCKS = _m("prefix_cache_known_blocks", "counter",
+                               "Of those, blocks the prefix cache knew present: not asked of the store.")
+PREFIX_CACHE_ANSWERS = _m("prefix_cache_answers", "counter",
+                          "Lookups the prefix cache answered whole, with no round trip.")
+PREFIX_CACHE_CLEARS = _m("prefix_cache_clears", "counter",
+                         "Times the prefix cache was cleared: reset, epoch (the store was wiped, by any instance, "
+                         "or the master restarted) or failure (a lookup failed).", ("reason",))
 DEFERRALS = _m("deferrals", "counter", "Times the scheduler got None and retried on a later step.")
 DEFERRED_STEPS = _m("deferred_steps", "histogram",
                     "Per lookup: scheduler steps deferred before its answer was used.", (), STEPS_BUCKETS)
 QUEUE_SECONDS = _m("queue_seconds", "histogram", "Time a lookup waited in the client before it was sent.", (),
                    SECONDS_BUCKETS)
-RPC_SECONDS = _m("rpc_seconds", "histogram", "Round trip of one sent lookup to the lookup server.", (),
+RPC_SECONDS = _m("rpc_seconds", "histogram",
+                 "From sending a lookup until the client read its answer, or gave up on it (timeout): the round trip "
+                 "when the scheduler waited for it; an answer nobody waited for is read at the next step.", (),
                  SECONDS_BUCKETS)
 SECONDS = _m("seconds", "histogram", "From submit to the answer being used (lookups that were sent).", (),
              SECONDS_BUCKETS)
 SCHEDULER_BLOCKED_SECONDS = _m("scheduler_blocked_seconds", "histogram",
                                "Time one scheduler call (admission or lookup) spent inside the lookup path.",
                                ("mode",), SECONDS_BUCKETS)
+STEP_INTERVAL_SECONDS = _m("step_interval_seconds", "histogram",
+                           "Time between two scheduler steps as the lookup client sees them: what a step costs, and "
+                           "what lookup_wait_us auto caps its wait by.", (), SECONDS_BUCKETS)
 BREAKER_OPEN = _m("breaker_open", "gauge", "1 while the circuit breaker is open.")
 LATE_REPLIES = _m("late_replies", "counter", "Replies dropped because their lookup had already ended or was unknown.")
 INFO = _m("info", "gauge", "Lookup configuration, value 1.", ("transport", "lookup_async", "mode",
+                                                              "lookup_wait_us", "lookup_wait_auto_share",
                                                               "lookup_timeout_ms", "lookup_max_pending"))
 
 SERVER_REQUESTS = _m("server_requests", "counter", "Frames the lookup server answered, by status.", ("status",),
@@ -100,8 +119,10 @@ SERVER_STORE_ERRORS = _m("server_store_errors", "counter", "Store calls that fai
 
 CATALOGUE: tuple[MetricSpec, ...] = (
     REQUESTS, QUERIED_TOKENS, HIT_TOKENS, PENDING, MAX_PENDING, HELD, MAX_HELD, ANSWERS_DROPPED, WAIT_BUDGET_SECONDS,
-    DEFERRALS, DEFERRED_STEPS, QUEUE_SECONDS, RPC_SECONDS, SECONDS, SCHEDULER_BLOCKED_SECONDS, BREAKER_OPEN,
-    LATE_REPLIES, INFO,
+    PREFIX_CACHE_BLOCKS, PREFIX_CACHE_QUERY_BLOCKS, PREFIX_CACHE_KNOWN_BLOCKS, PREFIX_CACHE_ANSWERS,
+    PREFIX_CACHE_CLEARS,
+    DEFERRALS, DEFERRED_STEPS, QUEUE_SECONDS, RPC_SECONDS, SECONDS, SCHEDULER_BLOCKED_SECONDS, STEP_INTERVAL_SECONDS,
+    BREAKER_OPEN, LATE_REPLIES, INFO,
     SERVER_REQUESTS, SERVER_QUEUE_DEPTH, SERVER_INFLIGHT, SERVER_STORE_SECONDS, SERVER_BATCH_SIZE,
     SERVER_STORE_ERRORS,
 )
@@ -114,6 +135,6 @@ def all_series_names() -> set[str]:
 
 
 __all__ = [
-    "BY_NAME", "CATALOGUE", "DROP_REASONS", "MODES", "MetricSpec", "OUTCOMES", "PREFIX", "SECONDS_BUCKETS",
-    "SERVER_STATUSES", "all_series_names",
+    "BY_NAME", "CACHE_CLEAR_REASONS", "CATALOGUE", "DROP_REASONS", "MODES", "MetricSpec", "OUTCOMES", "PREFIX",
+    "SECONDS_BUCKETS", "SERVER_STATUSES", "all_series_names",
 ]

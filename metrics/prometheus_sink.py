@@ -65,6 +65,12 @@ class PrometheusSink(NullObserver):
         dropped = make_metric(cat.ANSWERS_DROPPED, registry)
         self._dropped = {r: dropped.labels(r) for r in cat.DROP_REASONS}
         self._budget = make_metric(cat.WAIT_BUDGET_SECONDS, registry)
+        self._cache_blocks = make_metric(cat.PREFIX_CACHE_BLOCKS, registry)
+        self._cache_query = make_metric(cat.PREFIX_CACHE_QUERY_BLOCKS, registry)
+        self._cache_known = make_metric(cat.PREFIX_CACHE_KNOWN_BLOCKS, registry)
+        self._cache_answers = make_metric(cat.PREFIX_CACHE_ANSWERS, registry)
+        clears = make_metric(cat.PREFIX_CACHE_CLEARS, registry)
+        self._cache_clears = {r: clears.labels(r) for r in cat.CACHE_CLEAR_REASONS}
         self._deferrals = make_metric(cat.DEFERRALS, registry)
         self._deferred_steps = make_metric(cat.DEFERRED_STEPS, registry)
         self._queue = make_metric(cat.QUEUE_SECONDS, registry)
@@ -73,6 +79,7 @@ class PrometheusSink(NullObserver):
         blocked = make_metric(cat.SCHEDULER_BLOCKED_SECONDS, registry)
         self._blocked = {m: blocked.labels(m) for m in cat.MODES}
         self._blocked_family = blocked
+        self._step_interval = make_metric(cat.STEP_INTERVAL_SECONDS, registry)
         self._breaker = make_metric(cat.BREAKER_OPEN, registry)
         self._late = make_metric(cat.LATE_REPLIES, registry)
         self._info = make_metric(cat.INFO, registry)
@@ -106,6 +113,12 @@ class PrometheusSink(NullObserver):
             self._queried.inc(rec.num_tokens)
         if rec.hit_tokens:
             self._hit.inc(rec.hit_tokens)
+        if rec.countable_blocks:
+            self._cache_query.inc(rec.countable_blocks)
+            if rec.known_blocks:
+                self._cache_known.inc(rec.known_blocks)
+            if rec.from_cache:
+                self._cache_answers.inc()
         self._deferred_steps.observe(rec.deferrals)
         if (q := rec.queue_seconds) is not None:
             self._queue.observe(q)
@@ -124,9 +137,16 @@ class PrometheusSink(NullObserver):
     def answer_dropped(self, rec: LookupRecord, reason: str) -> None:
         self._dropped[reason].inc()
 
-    def step_ended(self, wait_budget_s: float, held: int) -> None:
+    def step_ended(self, wait_budget_s: float, held: int, cached_blocks: int,
+                   interval_s: float | None = None) -> None:
         self._budget.set(wait_budget_s)
         self._held.set(held)
+        self._cache_blocks.set(cached_blocks)
+        if interval_s is not None:
+            self._step_interval.observe(interval_s)
+
+    def cache_cleared(self, reason: str, blocks: int) -> None:
+        self._cache_clears[reason].inc()
 
     def scheduler_call(self, mode: str, seconds: float) -> None:
         child = self._blocked.get(mode)

@@ -58,19 +58,27 @@ _HELD = cat.HELD.key
 _MAX_HELD = cat.MAX_HELD.key
 _DROPPED = cat.ANSWERS_DROPPED.key
 _BUDGET = cat.WAIT_BUDGET_SECONDS.key
+_CACHE_BLOCKS = cat.PREFIX_CACHE_BLOCKS.key
+_CACHE_QUERY = cat.PREFIX_CACHE_QUERY_BLOCKS.key
+_CACHE_KNOWN = cat.PREFIX_CACHE_KNOWN_BLOCKS.key
+_CACHE_ANSWERS = cat.PREFIX_CACHE_ANSWERS.key
+_CACHE_CLEARS = cat.PREFIX_CACHE_CLEARS.key
 _BREAKER = cat.BREAKER_OPEN.key
 _STEPS = cat.DEFERRED_STEPS.key
 _QUEUE = cat.QUEUE_SECONDS.key
 _RPC = cat.RPC_SECONDS.key
 _SECONDS = cat.SECONDS.key
 _BLOCKED = cat.SCHEDULER_BLOCKED_SECONDS.key
-_COUNTERS = (_QUERIED, _HIT, _DEFERRALS, _LATE)
-_HISTOGRAMS = (_STEPS, _QUEUE, _RPC, _SECONDS)
+_INTERVAL = cat.STEP_INTERVAL_SECONDS.key
+_COUNTERS = (_QUERIED, _HIT, _DEFERRALS, _LATE, _CACHE_QUERY, _CACHE_KNOWN, _CACHE_ANSWERS)
+_HISTOGRAMS = (_STEPS, _QUEUE, _RPC, _SECONDS, _INTERVAL)
 
 
 def _new_step(pending: int) -> dict[str, Any]:
     return {_REQUESTS: {}, _QUERIED: 0, _HIT: 0, _DEFERRALS: 0, _LATE: 0, _PENDING: pending,
-            _STEPS: [], _QUEUE: [], _RPC: [], _SECONDS: [], _BLOCKED: {}, _DROPPED: {}}
+            _CACHE_QUERY: 0, _CACHE_KNOWN: 0, _CACHE_ANSWERS: 0,
+            _STEPS: [], _QUEUE: [], _RPC: [], _SECONDS: [], _INTERVAL: [], _BLOCKED: {}, _DROPPED: {},
+            _CACHE_CLEARS: {}}
 
 
 @dataclass
@@ -159,6 +167,10 @@ class LookupStatsCollector(NullObserver):
         if rec.store_answered:
             step[_QUERIED] += rec.num_tokens
         step[_HIT] += rec.hit_tokens
+        if rec.countable_blocks:
+            step[_CACHE_QUERY] += rec.countable_blocks
+            step[_CACHE_KNOWN] += rec.known_blocks
+            step[_CACHE_ANSWERS] += rec.from_cache
         step[_STEPS].append(rec.deferrals)
         if (q := rec.queue_seconds) is not None:
             step[_QUEUE].append(q)
@@ -183,10 +195,18 @@ class LookupStatsCollector(NullObserver):
         dropped = self._current()[_DROPPED]
         dropped[reason] = dropped.get(reason, 0) + 1
 
-    def step_ended(self, wait_budget_s: float, held: int) -> None:
+    def step_ended(self, wait_budget_s: float, held: int, cached_blocks: int,
+                   interval_s: float | None = None) -> None:
         step = self._current()
         step[_BUDGET] = wait_budget_s
         step[_HELD] = held
+        step[_CACHE_BLOCKS] = cached_blocks
+        if interval_s is not None:
+            step[_INTERVAL].append(interval_s)
+
+    def cache_cleared(self, reason: str, blocks: int) -> None:
+        clears = self._current()[_CACHE_CLEARS]
+        clears[reason] = clears.get(reason, 0) + 1
 
     def scheduler_call(self, mode: str, seconds: float) -> None:
         self._current()[_BLOCKED].setdefault(mode, []).append(seconds)
@@ -236,7 +256,9 @@ class LookoutPromMetrics(KVConnectorPromMetrics):
                 self._child(engine_idx, _REQUESTS, outcome)
             for reason in cat.DROP_REASONS:
                 self._child(engine_idx, _DROPPED, reason)
-            for key in (*_COUNTERS, _PENDING, _BREAKER, _HELD, _BUDGET):
+            for reason in cat.CACHE_CLEAR_REASONS:
+                self._child(engine_idx, _CACHE_CLEARS, reason)
+            for key in (*_COUNTERS, _PENDING, _BREAKER, _HELD, _BUDGET, _CACHE_BLOCKS):
                 self._child(engine_idx, key)
         self._publish_info(vllm_config)
 
@@ -293,7 +315,9 @@ class LookoutPromMetrics(KVConnectorPromMetrics):
                 child.observe(value)
         for reason, n in step.get(_DROPPED, {}).items():
             self._child(engine_idx, _DROPPED, reason).inc(n)
-        for key in (_PENDING, _HELD, _BUDGET):
+        for reason, n in step.get(_CACHE_CLEARS, {}).items():
+            self._child(engine_idx, _CACHE_CLEARS, reason).inc(n)
+        for key in (_PENDING, _HELD, _BUDGET, _CACHE_BLOCKS):
             if key in step:
                 self._child(engine_idx, key).set(step[key])
         if _BREAKER in step:

@@ -104,7 +104,7 @@ def test_bench_server_measures_a_running_lookup_server(private_master: EmbeddedM
     store = open_store(private_master.rpc_address)
     try:
         backend = WorkerBackend(layout_worker(ReadOnlyStore(store), LAYOUT))
-        with LookupServer(backend, "tcp://127.0.0.1:0") as server:
+        with LookupServer(backend, "tcp://127.0.0.1:0", marker=False) as server:  # someone else's server
             results = run_remote(str(tmp_path / "out"), LAYOUT, master=private_master.rpc_address,
                                  server=server.address, master_http=private_master.metrics_url,
                                  prompts_file=str(prompts), quick=True, log=lambda _: None)

@@ -18,13 +18,14 @@ SCRIPT = Path(sys.executable).parent / "mooncake-lookout"
 def test_console_script_lists_every_subcommand() -> None:
     out = subprocess.run([str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    for name in ("demo", "bench", "serve", "doctor"):
+    for name in ("demo", "bench", "serve", "doctor", "advise"):
         assert name in out.stdout
 
 
 def test_every_subcommand_has_a_handler() -> None:
     parser = build_parser()
-    for argv in (["demo"], ["bench", "--quick"], ["serve", "--embedded-master"], ["doctor"]):
+    for argv in (["demo"], ["bench", "--quick"], ["serve", "--embedded-master"], ["doctor"],
+                 ["advise", "--prometheus", "http://127.0.0.1:9090"]):
         assert callable(parser.parse_args(argv).func)
 
 
@@ -39,6 +40,19 @@ def test_bad_duration_is_refused_with_its_value(text: str, capsys: pytest.Captur
         main(["demo", "--duration", text])
     assert exc.value.code == 2
     assert text in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["demo", "--pause-master", "-1"], "--pause-master"), (["demo", "--mode", "fast"], "--mode"),
+    (["advise", "--prometheus", "http://p", "--window", "1h30m"], "--window"),
+    (["advise", "--window", "1h"], "--prometheus"),
+])
+def test_bad_demo_and_advise_flags_are_refused(argv: list[str], words: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert words in capsys.readouterr().err
 
 
 def test_doctor_names_the_bad_config_key(capsys: pytest.CaptureFixture[str]) -> None:

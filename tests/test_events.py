@@ -81,3 +81,33 @@ def test_background_observer_survives_a_failing_observer_and_drops_past_its_back
     assert bg.flush()
     assert slow.outcomes[Outcome.HIT] == 50 - 1 - bg.dropped
     bg.close()
+
+
+def test_observers_added_after_the_client_hear_late_replies_and_breaker_changes(tmp_path) -> None:
+    """vLLM's connector adds its metrics observers after building the client: the transport's late-reply
+    callback and the breaker's change callback must reach them (they were bound once, at construction)."""
+    from mooncake_lookout.connector.client import LookupClient
+    from mooncake_lookout.connector.config import LookupConfig
+    from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
+
+    class Listener(NullObserver):
+        def __init__(self) -> None:
+            self.late = 0
+            self.changes: list[bool] = []
+
+        def late_reply(self) -> None:
+            self.late += 1
+
+        def breaker_changed(self, is_open: bool) -> None:
+            self.changes.append(is_open)
+
+    config = LookupConfig(lookup_transport="pipelined", lookup_breaker_failures=1)
+    client = LookupClient(config, PipelinedTransport(f"ipc://{tmp_path}/nobody.sock", timeout_s=0.01))
+    try:
+        listener = Listener()
+        client.observers.add(listener)
+        client.transport.on_late_reply()  # what the transport calls for a reply whose lookup already ended
+        client.breaker.record(False)
+        assert listener.late == 1 and listener.changes == [True]
+    finally:
+        client.close()

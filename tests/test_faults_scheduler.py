@@ -34,14 +34,18 @@ class CallTimer(NullObserver):
     def __init__(self) -> None:
         self.budget = CallBudget(TIMEOUT_MS / 1000, slack_s=SLACK_S)
         self.late_deferrals: list[str] = []
+        self.last_sent = 0.0
 
     def scheduler_call(self, mode: str, seconds: float) -> None:
         self.budget.record(seconds)
 
+    def started(self, rec: Any) -> None:
+        self.last_sent = max(self.last_sent, rec.t_start)
+
     def deferred(self, rec: Any) -> None:
         # A lookup's deadline runs from when it was sent (time queued in the client is not the server's);
-        # one still queued ends when the lookup ahead of it does, so its submit time bounds it.
-        start = rec.t_start if rec.t_start is not None else rec.t_submit
+        # one still queued ends when the lookup sent ahead of it does (upstream's one thread sends them in turn).
+        start = rec.t_start if rec.t_start is not None else max(rec.t_submit, self.last_sent)
         if time.perf_counter() > start + TIMEOUT_MS / 1000 + SLACK_S:
             self.late_deferrals.append(rec.req_id)
 

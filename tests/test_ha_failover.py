@@ -63,7 +63,7 @@ from mooncake_lookout.connector.server.prefix_index import PrefixIndex
 from mooncake_lookout.connector.server.store import open_store
 master, namespace, block = sys.argv[1], sys.argv[2], int(sys.argv[3])
 store = open_store(master, rpc_timeout_ms=3000)
-with LookupServer(PrefixIndex(store, block, namespace=namespace), "tcp://127.0.0.1:0", workers=2) as server:
+with LookupServer(PrefixIndex(store, block, namespace=namespace), "tcp://127.0.0.1:0") as server:
     print("ADDRESS " + server.address, flush=True)
     sys.stdin.read()
 """

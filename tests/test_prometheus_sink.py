@@ -96,12 +96,19 @@ def test_every_event_lands_in_its_family(registry: CollectorRegistry) -> None:
     assert _value(registry, cat.BREAKER_OPEN) == 1
     obs.breaker_changed(False)
     assert _value(registry, cat.BREAKER_OPEN) == 0
-    assert _value(registry, cat.INFO, transport="pipelined", lookup_async="true", mode="async",
-                  lookup_timeout_ms="100", lookup_max_pending="1024") == 1
+    assert _value(registry, cat.INFO, transport="pipelined", lookup_async="true", mode="async", lookup_wait_us="0",
+                  lookup_wait_auto_share="0.25", lookup_timeout_ms="100", lookup_max_pending="1024") == 1
     assert _value(registry, cat.MAX_PENDING) == 1024
     assert _value(registry, cat.MAX_HELD) == 16384
-    obs.step_ended(0.0004, 7)
+    obs.step_ended(0.0004, 7, 120)  # the first step: no interval yet
     assert _value(registry, cat.WAIT_BUDGET_SECONDS) == 0.0004 and _value(registry, cat.HELD) == 7
+    assert _value(registry, cat.PREFIX_CACHE_BLOCKS) == 120
+    assert _value(registry, cat.STEP_INTERVAL_SECONDS, "_count") == 0
+    obs.step_ended(0.0004, 7, 120, 0.003)
+    assert _value(registry, cat.STEP_INTERVAL_SECONDS, "_count") == 1
+    assert _value(registry, cat.STEP_INTERVAL_SECONDS, "_sum") == 0.003
+    obs.cache_cleared("epoch", 120)
+    assert _value(registry, cat.PREFIX_CACHE_CLEARS, "_total", reason="epoch") == 1
     obs.answer_dropped(_record("old"), "expired")
     assert _value(registry, cat.ANSWERS_DROPPED, "_total", reason="expired") == 1
     assert _value(registry, cat.ANSWERS_DROPPED, "_total", reason="evicted") == 0

@@ -151,3 +151,27 @@ def test_outcomes_are_counted_through_the_worker_path(worker: Any, make_hashes) 
         finally:
             client.close()
     assert counter.outcomes[Outcome.HIT] == 1 and counter.outcomes[Outcome.MISS] == 1
+
+
+def test_known_blocks_are_not_asked_and_the_answer_is_upstreams(worker: Any, make_hashes) -> None:
+    """The prefix cache's ``known`` count through upstream's key code: those blocks' keys are taken as present
+    (they were found within their lease), the rest asked, and the hit is upstream's own."""
+    hashes = make_hashes(40, seed=700)
+    _store(worker, hashes, 40)
+    blob = HashBlob(b"".join(hashes), 32)
+    expected = worker.lookup(40 * BLOCK + 1, hashes)
+    backend = WorkerBackend(worker)
+    asked = []
+    real = worker.store.batch_is_exist
+
+    def spy(keys: list[str]) -> list[int]:
+        asked.append(len(keys))
+        return real(keys)
+
+    worker.store.batch_is_exist = spy
+    try:
+        (got,) = backend.lookup_many([(40 * BLOCK + 1, blob, 32)])
+    finally:
+        worker.store.batch_is_exist = real
+    assert (got.hit_length, got.tail_key_boundaries) == (expected.hit_length, expected.tail_key_boundaries)
+    assert asked == [40 - 32]  # only the blocks the client did not know

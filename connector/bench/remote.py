@@ -25,7 +25,9 @@ Read-only, by construction: every store client (here, in the server process, in 
 lookup-only (it lends no segment and has no buffer to stage puts, so Mooncake refuses any put from it), and
 where this package calls the store through the layout it is a
 :class:`~mooncake_lookout.connector.rigs.vllm_layout.ReadOnlyStore` (only ``batch_is_exist`` and
-``is_exist`` pass). No reset is ever sent, and the servers listen on private IPC paths (0700 folders).
+``is_exist`` pass). Our server here keeps no epoch marker (that would be a put), so our client's prefix
+cache stays off in these figures. No reset is ever sent, and the servers listen on private IPC paths
+(0700 folders).
 The scenarios' prompts are random block hashes, so they ask for keys no store holds. What the store sees
 is existence checks, a few thousand at most (each one leases the keys it finds for the master's
 ``default_kv_lease_ttl``, as vLLM's own lookups do). With ``--master-http``, ``master_key_count`` is read

@@ -279,8 +279,9 @@ class TokenTally(OutcomeCounter):
         if rec.t_start is not None and rec.t_answer is not None:
             self.sent_to_collected.append(rec.t_answer - rec.t_start)
 
-    def step_ended(self, wait_budget_s: float, held: int) -> None:
-        super().step_ended(wait_budget_s, held)
+    def step_ended(self, wait_budget_s: float, held: int, cached_blocks: int,
+                   interval_s: float | None = None) -> None:
+        super().step_ended(wait_budget_s, held, cached_blocks, interval_s)
         self.wait_budgets.append(wait_budget_s)
 
 

@@ -7,7 +7,10 @@ another on the same master and workload: ``sync`` (the scheduler blocks for each
 (it defers until the answer is there) and ``budget`` (async, waiting up to ``--budget-us`` for an
 almost-ready answer). Lookups start at admission. ``/metrics`` is served on 127.0.0.1 meanwhile; the
 run ends with a table of the three modes. ``--keep-running`` leaves ``/metrics`` up for a local
-Prometheus/Grafana until Ctrl-C. Every process it starts is stopped by pid on exit, Ctrl-C included.
+Prometheus/Grafana until Ctrl-C. ``--mode`` runs one mode for the whole duration (a clean series for
+``mooncake-lookout advise`` to read); ``--pause-master`` freezes the master for a while in the middle of
+each mode's run, to show what a stalled store costs. Every process it starts is stopped by pid on exit,
+Ctrl-C included.
 
 Exit codes: 0 when the demo finished (also when ``--keep-running`` is ended by SIGINT/SIGTERM),
 130 when interrupted before the table, 2 when it could not start (the message says why).
@@ -25,10 +28,11 @@ from typing import Any, TextIO
 
 DURATIONS = {"small": 4.5, "default": 9.0}
 MODE_NAMES = ("sync", "async", "budget")
+ALL_MODES = "all"
 
 
 def parse_duration(text: str) -> float:
-    """Seconds of load in all (split across the three modes): a number, ``small`` (4.5) or ``default`` (9)."""
+    """Seconds of load in all (split across the modes run): a number, ``small`` (4.5) or ``default`` (9)."""
     if text in DURATIONS:
         return DURATIONS[text]
     try:
@@ -41,12 +45,28 @@ def parse_duration(text: str) -> float:
     return value
 
 
+def parse_pause(text: str) -> float:
+    """Seconds to freeze the master in each mode's run: 0 (never) up to 600."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 600:
+        raise argparse.ArgumentTypeError(f"--pause-master must be seconds from 0 to 600, got {text!r}")
+    return value
+
+
 def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``demo`` subcommand; returns its parser."""
     p = subparsers.add_parser("demo", help="run the lookup path on a real master and vLLM's scheduler",
                               description=__doc__.split("\n\n")[1])
     p.add_argument("--duration", type=parse_duration, default=DURATIONS["default"], metavar="SECONDS",
-                   help="seconds of load in all, split across the three modes; or 'small' (4.5) / 'default' (9)")
+                   help="seconds of load in all, split across the modes run; or 'small' (4.5) / 'default' (9)")
+    p.add_argument("--mode", choices=(*MODE_NAMES, ALL_MODES), default=ALL_MODES,
+                   help="run only this lookup mode, for the whole duration (default: all three in turn)")
+    p.add_argument("--pause-master", type=parse_pause, default=0.0, metavar="SECONDS",
+                   help="freeze the Mooncake master (SIGSTOP) for SECONDS in the middle of each mode's run: "
+                        "a stalled store (default 0: never)")
     p.add_argument("--port", type=int, default=0, help="port of /metrics on 127.0.0.1 (default 0: any free port)")
     p.add_argument("--rate", type=int, default=4, metavar="N", help="new requests per scheduler step (default 4)")
     p.add_argument("--prompt-blocks", type=int, default=8, metavar="N",
@@ -92,13 +112,49 @@ class Progress:
             self.out.flush()
 
 
-def demo_modes(budget_us: int) -> list[Any]:
-    """The three modes the demo compares, all with our client and the pipelined transport."""
+def demo_modes(budget_us: int, only: str = ALL_MODES) -> list[Any]:
+    """The modes the demo compares (all three, or ``only`` one), all with our client and the pipelined transport."""
     from mooncake_lookout.connector.bench.sched import mode
 
-    return [mode("sync", True, lookup_async=False),
-            mode("async", True, lookup_async=True),
-            mode("budget", True, lookup_async=True, lookup_wait_us=budget_us)]
+    modes = [mode("sync", True, lookup_async=False),
+             mode("async", True, lookup_async=True),
+             mode("budget", True, lookup_async=True, lookup_wait_us=budget_us)]
+    return [m for m in modes if only in (ALL_MODES, m.label)]
+
+
+class MasterPause:
+    """Freezes the master from ``start_s`` to ``start_s + seconds`` of a run, judged at each step; always thaws.
+
+    Checked from the scheduler loop's step callback, so no thread of its own: the pause starts and ends at
+    the first step past each mark.
+    """
+
+    def __init__(self, master: Any, start_s: float, seconds: float, say: Callable[[str], None]) -> None:
+        self.master = master
+        self.start_s = start_s
+        self.end_s = start_s + seconds
+        self.say = say
+        self.paused = False
+        self.done = seconds <= 0
+
+    def at(self, elapsed_s: float) -> None:
+        """Pause or resume the master as ``elapsed_s`` (seconds into the run) passes the marks."""
+        if self.done:
+            return
+        if not self.paused and elapsed_s >= self.start_s:
+            self.master.pause()
+            self.paused = True
+            self.say(f"master pid {self.master.pid} paused (SIGSTOP) for {self.end_s - self.start_s:g} s")
+        if self.paused and elapsed_s >= self.end_s:
+            self.resume()
+
+    def resume(self) -> None:
+        """Thaw the master if this pause froze it (idempotent)."""
+        if self.paused:
+            self.master.resume()
+            self.paused = False
+            self.done = True
+            self.say(f"master pid {self.master.pid} resumed")
 
 
 def format_table(runs: list[Any], budget_us: int) -> str:
@@ -118,6 +174,11 @@ def format_table(runs: list[Any], budget_us: int) -> str:
                      f"{delay.get('p99', 0) / 1e3:7.2f} {(ratio if ratio is not None else 0):9.2f}")
     lines.append("blocked/step: time per scheduler step inside lookup calls; deferred/req: steps a request "
                  "waited for its answer; lookup: arrival to answer used.")
+    for r in runs:
+        failed = {o: n for o, n in sorted(r.outcomes.items()) if o not in ("hit", "miss", "discarded")}
+        if failed:
+            lines.append(f"  {r.label}: lookups that ended without the store's answer: "
+                         + ", ".join(f"{n} {o}" for o, n in failed.items()))
     return "\n".join(lines)
 
 
@@ -180,21 +241,34 @@ def _run(args: argparse.Namespace, stop: threading.Event, out: TextIO) -> int:
                 f"(its metrics: {rig.master.metrics_url}/metrics); lookup servers pid {rig.servers.pid}")
             workload = Workload(prompt_blocks=args.prompt_blocks, num_prefixes=args.prefixes, fill=args.prompts)
             progress = Progress(out)
-            per_mode = args.duration / len(MODE_NAMES)
-            for m in demo_modes(args.budget_us):
+
+            def announce(text: str) -> None:
+                progress.done()
+                say(text)
+
+            modes = demo_modes(args.budget_us, args.mode)
+            per_mode = args.duration / len(modes)
+            for m in modes:
                 if stop.is_set():
                     break
                 sink.set_config(LookupConfig(lookup_transport=m.transport, **m.extra))
                 t0 = time.monotonic()
+                pause = MasterPause(rig.master, max(0.0, (per_mode - args.pause_master) / 2), args.pause_master,
+                                    announce)
 
-                def on_step(run: Any, label: str = m.label, t0: float = t0) -> None:
+                def on_step(run: Any, label: str = m.label, t0: float = t0, pause: MasterPause = pause) -> None:
+                    pause.at(time.monotonic() - t0)
                     progress.show(f"[{label:6}] {time.monotonic() - t0:5.1f}/{per_mode:.1f} s  "
                                   f"steps {run.steps:6d}  lookup time/step "
                                   f"{1e6 * sum(run.blocked_per_step) / max(1, run.steps):8.1f} us")
 
-                runs.append(run_mode(rig, workload, m, arrivals_per_step=args.rate, steps=None, seconds=per_mode,
-                                     model_step_s=args.model_step_ms / 1e3, observers=[telemetry], on_step=on_step,
-                                     should_stop=stop.is_set, drain_s=2.0))
+                try:
+                    runs.append(run_mode(rig, workload, m, arrivals_per_step=args.rate, steps=None,
+                                         seconds=per_mode, model_step_s=args.model_step_ms / 1e3,
+                                         observers=[telemetry], on_step=on_step, should_stop=stop.is_set,
+                                         drain_s=2.0))
+                finally:
+                    pause.resume()
                 progress.show(f"[{m.label:6}] done: {runs[-1].requests} requests in {runs[-1].steps} steps",
                               force=True)
                 progress.done()
@@ -214,4 +288,5 @@ def _run(args: argparse.Namespace, stop: threading.Event, out: TextIO) -> int:
         endpoint.stop()
 
 
-__all__ = ["DURATIONS", "Progress", "add_demo_parser", "demo_modes", "format_table", "parse_duration", "run_demo"]
+__all__ = ["ALL_MODES", "DURATIONS", "MasterPause", "Progress", "add_demo_parser", "demo_modes", "format_table",
+           "parse_duration", "parse_pause", "run_demo"]

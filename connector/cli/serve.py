@@ -17,6 +17,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.server.observer import ServerObserver
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--namespace", default="lookout", help="key namespace in the store (default lookout)")
     p.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus /metrics on this port")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address for /metrics (default 127.0.0.1)")
+    ttl = LookupConfig().lookup_answer_ttl_ms
+    p.add_argument("--lease-window-ms", type=float, default=ttl, metavar="MS",
+                   help="the clients' lookup_answer_ttl_ms: clients may cache found blocks once the master's key "
+                        f"lease is known to cover it (default {ttl:g}; 0: no store epoch, clients cache nothing)")
     p.add_argument("--log-level", default="INFO", help="Python log level (default INFO)")
     p.set_defaults(func=run_serve)
     return p
@@ -71,7 +76,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from mooncake_lookout.connector.rigs.master import EmbeddedMaster, MasterError
     from mooncake_lookout.connector.server import LookupServer
     from mooncake_lookout.connector.server.prefix_index import PrefixIndex
-    from mooncake_lookout.connector.server.store import open_store
+    from mooncake_lookout.connector.server.store import MARKER_LOCAL_BUFFER, open_store
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -83,13 +88,15 @@ def run_serve(args: argparse.Namespace) -> int:
                 logger.info("embedded Mooncake master on %s", master_address)
             else:
                 master_address = args.master
-            store = open_store(master_address)
+            store = open_store(master_address, local_buffer_size=MARKER_LOCAL_BUFFER)  # it puts its marker
         except MasterError as e:
             print(f"mooncake-lookout serve: {e}", file=sys.stderr)
             return 2
         stack.callback(store.close)
         backend = PrefixIndex(store, args.block_size, args.namespace)
-        server = stack.enter_context(LookupServer(backend, _listen_address(args),
+        window_s = args.lease_window_ms / 1000
+        server = stack.enter_context(LookupServer(backend, _listen_address(args), marker=window_s > 0,
+                                                  lease_window_s=window_s,
                                                   observers=_server_observers(args, stack)))
         print(f"listening on {server.address}", flush=True)
         stop.wait()

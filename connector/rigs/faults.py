@@ -41,10 +41,10 @@ class InjectedDelayBackend:
         self._delay()
         return self.backend.lookup(num_tokens, hashes)
 
-    def lookup_many(self, queries: Sequence[tuple[int, Sequence[bytes]]]) -> list[Any]:
+    def lookup_many(self, queries: Sequence[Any], extra_keys: Sequence[str] = ()) -> list[Any]:
         """The real batched lookup, after one injected delay for the whole batch."""
         self._delay()
-        return self.backend.lookup_many(queries)
+        return self.backend.lookup_many(queries, extra_keys)
 
     def reset(self) -> Any:
         """Wipe the real store (our server's path), after the injected reset delay (if any)."""

@@ -285,7 +285,8 @@ def _start_servers(args: argparse.Namespace, backend: Any, worker: Any = None) -
         index = None if worker is not None else backend
         servers[UPSTREAM] = UpstreamLookupServer(index, lookup_vllm_config(args.rpc_port), worker=worker).start()
     if PIPELINED in args.serve:
-        servers[PIPELINED] = LookupServer(backend, args.address or None).start()
+        # Over a deployment's store (``worker``) the server keeps no epoch marker: it would be a write.
+        servers[PIPELINED] = LookupServer(backend, args.address or None, marker=worker is None).start()
     return servers
 
 

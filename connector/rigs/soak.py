@@ -184,6 +184,7 @@ class FaultRig:
     def new_client(self, observer: Any = None) -> LookupClient:
         """A client of this rig's transport on the server's address (closed with the rig)."""
         client = LookupClient(self.config, make_transport(self.config, self.server.address), observer=observer)
+        client.enable_prefix_cache(BLOCK_SIZE)  # as the scheduler adapter does for this layout (on by default)
         self._stack.callback(client.close)
         return client
 

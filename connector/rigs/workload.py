@@ -69,5 +69,28 @@ def unique_hashes(num_blocks: int, *, seed: int = 0) -> list[bytes]:
     return chain_hashes(_content(seed, "cold", 0, b) for b in range(num_blocks))
 
 
-__all__ = ["HASH_BYTES", "ROOT_HASH", "WorkloadRequest", "chain_hashes", "shared_prefix_workload",
-           "unique_hashes"]
+def multi_turn_workload(conversations: int, *, context_blocks: int = 2048, turns: int = 20,
+                        blocks_per_turn: int = 16, block_size: int = 16, seed: int = 0) -> list[list[WorkloadRequest]]:
+    """Conversations whose prompt grows turn by turn: ``[conversation][turn]`` requests.
+
+    Turn 0 is a ``context_blocks`` context (a long document, an agent's history); each later turn re-sends
+    the previous prompt plus ``blocks_per_turn`` new blocks (the last answer and the next question), so
+    ``(context_blocks + turn * blocks_per_turn) * block_size + 1`` tokens. The defaults are the issue's
+    example: a 32k-token context and 20 turns of 256 tokens.
+    """
+    out = []
+    for c in range(conversations):
+        hashes = chain_hashes(_content(seed, f"context{c}", 0, b) for b in range(context_blocks))
+        conversation = []
+        for turn in range(turns):
+            if turn:
+                hashes += chain_hashes((_content(seed, f"turn{c}", turn, b) for b in range(blocks_per_turn)),
+                                       hashes[-1])
+            conversation.append(WorkloadRequest(f"conv-{seed}-{c}-turn{turn}", len(hashes) * block_size + 1,
+                                                tuple(hashes)))
+        out.append(conversation)
+    return out
+
+
+__all__ = ["HASH_BYTES", "ROOT_HASH", "WorkloadRequest", "chain_hashes", "multi_turn_workload",
+           "shared_prefix_workload", "unique_hashes"]

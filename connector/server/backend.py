@@ -24,9 +24,16 @@ class LookupBackend(Protocol):
 
 @runtime_checkable
 class BatchLookupBackend(LookupBackend, Protocol):
-    """A backend that answers many lookups with one store call; an exception in the list is that lookup's error."""
+    """A backend that answers many lookups with one store call; an exception in the list is that lookup's error.
 
-    def lookup_many(self, queries: Sequence[tuple[int, Sequence[bytes]]]) -> list[Any]: ...
+    A query is ``(num_tokens, hashes, known)``: its first ``known`` blocks are present (the client knows
+    them), only the rest are asked. The codes of ``extra_keys`` (the server's marker) follow the results,
+    asked in the same call. A backend that can also hold a marker key offers ``marker_key(name)`` and
+    ``put_marker(key)`` (see :mod:`.epoch`).
+    """
+
+    def lookup_many(self, queries: Sequence[tuple[int, Sequence[bytes], int]],
+                    extra_keys: Sequence[str] = ()) -> list[Any]: ...
 
 
 __all__ = ["BatchLookupBackend", "LookupBackend"]

@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -37,6 +37,8 @@ from mooncake_lookout.connector.job import LookupResult
 from mooncake_lookout.connector.logs import RateLimit
 from mooncake_lookout.connector.server import intake
 from mooncake_lookout.connector.server.backend import LookupBackend
+from mooncake_lookout.connector.server.epoch import EpochMarker, MarkerStore
+from mooncake_lookout.connector.server.lease import LeaseProbe
 from mooncake_lookout.connector.server.observer import ServerObserver, ServerObserverSet, ServerStats
 from mooncake_lookout.connector.waker import Waker
 from mooncake_lookout.connector.wire import pipelined as protocol
@@ -48,6 +50,8 @@ logger = logging.getLogger(__name__)
 # the protocol answers with an error (MAX_BODY_BYTES), so oversized frames still get their error reply.
 HARD_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 RECV_BURST = 4096  # frames read per turn of the loop before they are answered
+# num_tokens, hashes, blocks the client knows are present, the store's epoch they were found in
+_Query = tuple[int, Sequence[bytes], int, int]
 _HWM = 100_000  # messages queued per peer and direction; past it ZMQ holds off reading (or drops replies)
 
 
@@ -61,8 +65,15 @@ class LookupServer:
     """
 
     def __init__(self, backend: LookupBackend, address: str | None = None, *, max_batch_hashes: int = 65_536,
-                 observers: Iterable[ServerObserver] = ()) -> None:
+                 observers: Iterable[ServerObserver] = (), marker: bool = True,
+                 lease_window_s: float | None = None) -> None:
         self.backend = backend
+        # The store's epoch (server/epoch.py): kept when the backend can hold a marker key; with
+        # ``lease_window_s``, only once the master's key lease is known to cover it (server/lease.py).
+        keeps_marker = marker and callable(getattr(backend, "put_marker", None))
+        self._marker = EpochMarker(cast(MarkerStore, backend)) if keeps_marker else None
+        self._lease_window_s = lease_window_s
+        self.lease_probe: LeaseProbe | None = None
         self.max_batch_hashes = max_batch_hashes
         self.stats = ServerStats()
         self._observe = ServerObserverSet([self.stats, *observers])
@@ -116,6 +127,14 @@ class LookupServer:
             os.chmod(self._ipc_path, 0o600)
         self._address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._ctx, self._sock = ctx, sock
+        window_s = self._lease_window_s
+        if self._marker is not None and window_s is None:
+            self._marker.trust()
+            self._marker.renew()
+        elif self._marker is not None and window_s is not None:
+            store = getattr(self.backend, "store", None)
+            self.lease_probe = LeaseProbe(store, cast(MarkerStore, self.backend).marker_key(""), window_s,
+                                          self._marker.trust)
         self._waker = Waker()
         self._thread = threading.Thread(target=self._loop, name="lookout-server", daemon=True)
         self._thread.start()
@@ -132,6 +151,8 @@ class LookupServer:
         if self._thread is None or self._stop:
             return
         self._stop = True
+        if self.lease_probe is not None:
+            self.lease_probe.close()
         assert self._waker is not None
         self._waker.wake()
         self._thread.join(timeout_s)
@@ -210,12 +231,12 @@ class LookupServer:
         self._answer_lookups(lookups)
 
     def _answer_lookups(self, items: list[intake.Frame | intake.UpstreamLookup]) -> None:
-        queries: list[tuple[int, Sequence[bytes]]] = []
+        queries: list[_Query] = []
         for item in items:
             if isinstance(item, intake.Frame):
-                queries.extend((q.num_tokens, q.block_hashes) for q in item.queries)
+                queries.extend((q.num_tokens, q.block_hashes, q.known, q.epoch) for q in item.queries)
             else:
-                queries.append((item.num_tokens, item.hashes))
+                queries.append((item.num_tokens, item.hashes, 0, 0))
         if not queries:
             return
         results: list[Any] = []
@@ -232,7 +253,7 @@ class LookupServer:
                     self._observe.answered("error" if _failed(answer) else "ok")
                 self._send(item.envelope, protocol.encode_reply(
                     item.frame_id, [protocol.result_of(q.lookup_id, _as_result(a))
-                                    for q, a in zip(item.queries, answers)]))
+                                    for q, a in zip(item.queries, answers)], self.epoch))
             else:
                 answer = results[at]
                 at += 1
@@ -243,32 +264,37 @@ class LookupServer:
                     self._observe.answered("ok")
                     self._send(item.envelope, upstream_wire.encode_lookup_reply(answer))
 
-    def _chunks(self, queries: list[tuple[int, Sequence[bytes]]]) -> Iterable[list[tuple[int, Sequence[bytes]]]]:
+    @property
+    def epoch(self) -> int:
+        """The store's epoch as this server last saw it (0: no marker kept, clients must not cache)."""
+        return self._marker.epoch if self._marker is not None else 0
+
+    def _chunks(self, queries: list[_Query]) -> Iterable[list[_Query]]:
         """Split ``queries`` so no store call asks more than ``max_batch_hashes`` keys (one per lookup at least)."""
-        chunk: list[tuple[int, Sequence[bytes]]] = []
+        chunk: list[_Query] = []
         hashes = 0
         for q in queries:
-            if chunk and hashes + len(q[1]) > self.max_batch_hashes:
+            asked = len(q[1]) - q[2]
+            if chunk and hashes + asked > self.max_batch_hashes:
                 yield chunk
                 chunk, hashes = [], 0
             chunk.append(q)
-            hashes += len(q[1])
+            hashes += asked
         if chunk:
             yield chunk
 
-    def _call_store(self, queries: list[tuple[int, Sequence[bytes]]]) -> list[Any]:
-        """One store call for ``queries`` (or one per query, for a backend without ``lookup_many``)."""
+    def _call_store(self, queries: list[_Query]) -> list[Any]:
+        """One store call for ``queries`` (or one per query, for a backend without ``lookup_many``), asking
+        for the marker key in the same call."""
         self._observe.inflight(1)
         t0 = time.perf_counter()
         results: list[Any]
         try:
             if self._batching:
-                results = list(self.backend.lookup_many(queries))  # type: ignore[attr-defined]
-                if len(results) != len(queries):
-                    raise RuntimeError(f"backend returned {len(results)} results for {len(queries)} lookups")
+                results = self._ask_batch(queries)
             else:
                 results = []
-                for num_tokens, hashes in queries:
+                for num_tokens, hashes, _, _ in queries:
                     try:
                         results.append(self.backend.lookup(num_tokens, hashes))
                     except Exception as e:  # that lookup's error; the others go on
@@ -280,6 +306,27 @@ class LookupServer:
         seconds = time.perf_counter() - t0
         self._observe.inflight(0)
         self._observe.store_call(len(queries), seconds, any(_failed(r) for r in results))
+        return results
+
+    def _ask_batch(self, queries: list[_Query]) -> list[Any]:
+        """``lookup_many`` with the marker asked in the same call. A client's known blocks count only if found
+        in the epoch the marker stands for, and only if the marker is still there (no wipe since): else the
+        batch is asked again from scratch."""
+        marker = self._marker
+        ask = self.backend.lookup_many  # type: ignore[attr-defined]
+        if marker is not None:
+            marker.ensure(time.perf_counter())
+        if marker is None or marker.key is None:  # no epoch kept: nothing a client knows can be trusted
+            return list(ask([(n, h, 0) for n, h, _, _ in queries]))
+        epoch = marker.epoch
+        results = list(ask([(n, h, k if e == epoch else 0) for n, h, k, e in queries], [marker.key]))
+        if len(results) != len(queries) + 1:
+            raise RuntimeError(f"backend returned {len(results)} results for {len(queries)} lookups")
+        code = results.pop()
+        marker.seen(code)
+        if code != 1 and any(k and e == epoch for _, _, k, e in queries):
+            # Wiped (the marker is gone) or unknown (the store failed): what the clients know cannot be trusted.
+            results = list(ask([(n, h, 0) for n, h, _, _ in queries]))
         return results
 
     def _answer_reset(self, item: intake.Reset) -> None:
@@ -294,13 +341,16 @@ class LookupServer:
         self._observe.store_call(1, time.perf_counter() - t0, failed)
         if failed:
             logger.error("store reset failed: %s", _reason(outcome))
+        elif self._marker is not None:
+            self._marker.renew()  # the wipe took the marker with it: a new epoch for every client
         self._observe.answered("error" if failed else "ok")
         if item.frame_id is None:
             self._send(item.envelope, upstream_wire.RESP_ERR if failed else upstream_wire.RESP_OK)
         elif failed:
-            self._send(item.envelope, protocol.encode_status(item.frame_id, protocol.ERROR, _reason(outcome)))
+            self._send(item.envelope, protocol.encode_status(item.frame_id, protocol.ERROR, _reason(outcome),
+                                                             self.epoch))
         else:
-            self._send(item.envelope, protocol.encode_status(item.frame_id, protocol.OK))
+            self._send(item.envelope, protocol.encode_status(item.frame_id, protocol.OK, epoch=self.epoch))
 
     def _refuse(self, item: intake.Work, reason: str) -> None:
         """Answer ``item`` with an error without asking the store."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Union
 
 from mooncake_lookout.connector.job import MISS, HashBlob, LookupResult
 
@@ -48,7 +48,8 @@ class StoreError(RuntimeError):
         super().__init__(text + (f": {detail}" if detail else ""))
 
 
-Request = tuple[int, Sequence[bytes]]  # (num_tokens, block_hashes)
+# (num_tokens, block_hashes), or (num_tokens, block_hashes, known): the first ``known`` blocks are present
+Request = Union[tuple[int, Sequence[bytes]], tuple[int, Sequence[bytes], int]]
 
 
 class PrefixIndex:
@@ -73,12 +74,23 @@ class PrefixIndex:
         """The store key of one block hash."""
         return f"{self.namespace}/{block_hash.hex()}"
 
-    def keys(self, block_hashes: Sequence[bytes], count: int) -> list[str]:
-        """The store keys of the first ``count`` hashes (one ``hex`` for a :class:`HashBlob`)."""
+    def keys(self, block_hashes: Sequence[bytes], count: int, start: int = 0) -> list[str]:
+        """The store keys of the hashes from ``start`` up to ``count`` (one ``hex`` for a :class:`HashBlob`)."""
         if isinstance(block_hashes, HashBlob):
             prefix = self.namespace + "/"
-            return [prefix + digits for digits in block_hashes.hex(count)]
-        return [self.key(h) for h in block_hashes[:count]]
+            return [prefix + digits for digits in block_hashes.hex(count, start)]
+        return [self.key(h) for h in block_hashes[start:count]]
+
+    def marker_key(self, name: str) -> str:
+        """A key of this namespace that is not a block's: wiping the namespace removes it too."""
+        return f"{self.namespace}/marker-{name}"
+
+    def put_marker(self, key: str) -> bool:
+        """Store ``key`` (its existence is all that matters); False if the store refused it."""
+        try:
+            return self.store.upsert_batch([key], [VALUE]) == 0
+        except Exception:
+            return False
 
     def countable_blocks(self, num_tokens: int, num_hashes: int) -> int:
         """How many leading blocks can count toward a hit: never the whole prompt (one token is computed)."""
@@ -98,8 +110,8 @@ class PrefixIndex:
             raise StoreError(None, "batch_is_exist", f"{len(codes)} answers for {len(keys)} keys")
         return list(codes)
 
-    def _hit(self, keys: Sequence[str], codes: dict[str, int]) -> LookupResult:
-        present = 0
+    def _hit(self, keys: Sequence[str], codes: dict[str, int], known: int = 0) -> LookupResult:
+        present = known  # the client already knows these lead the prompt, each within its lease
         counting = True  # still inside the consecutive present prefix
         for key in keys:
             code = codes[key]
@@ -125,18 +137,22 @@ class PrefixIndex:
         codes = self._exists(keys)
         return self._hit(keys, dict(zip(keys, codes)))
 
-    def lookup_many(self, requests: Sequence[Request]) -> list[LookupResult | StoreError]:
+    def lookup_many(self, requests: Sequence[Request], extra_keys: Sequence[str] = ()) -> list[Any]:
         """Answer many lookups with ONE ``batch_is_exist`` over their deduplicated keys.
 
-        Each entry is the lookup's result, or the :class:`StoreError` that lookup met (a failed call
-        fails every entry). Lookups that need no key are answered without the store.
+        A request is ``(num_tokens, hashes)`` or ``(num_tokens, hashes, known)``: its first ``known``
+        blocks are taken as present (the client knows them) and only the rest are asked. Each entry of the
+        result is the lookup's result, or the :class:`StoreError` that lookup met (a failed call fails
+        every entry), followed by the codes of ``extra_keys`` asked in the same call.
         """
-        per_request: list[list[str]] = []
-        unique: dict[str, None] = {}
-        for num_tokens, hashes in requests:
+        per_request: list[tuple[int, list[str]]] = []
+        unique: dict[str, None] = dict.fromkeys(extra_keys)
+        for request in requests:
+            num_tokens, hashes, known = _unpack(request)
             n = self.countable_blocks(num_tokens, len(hashes))
-            keys = self.keys(hashes, n)
-            per_request.append(keys)
+            known = min(known, n)
+            keys = self.keys(hashes, n, known)
+            per_request.append((known, keys))
             unique.update(dict.fromkeys(keys))
         codes: dict[str, int] = {}
         if unique:
@@ -144,14 +160,14 @@ class PrefixIndex:
             try:
                 codes = dict(zip(all_keys, self._exists(all_keys)))
             except StoreError as err:
-                return [err if keys else MISS for keys in per_request]
-        out: list[LookupResult | StoreError] = []
-        for keys in per_request:
+                return [err if keys or known else MISS for known, keys in per_request] + [err] * len(extra_keys)
+        out: list[Any] = []
+        for known, keys in per_request:
             try:
-                out.append(self._hit(keys, codes))
+                out.append(self._hit(keys, codes, known))
             except StoreError as err:
                 out.append(err)
-        return out
+        return out + [codes[k] for k in extra_keys]
 
     # -- filling and wiping ------------------------------------------------------------------
     def store_prefixes(self, block_hash_lists: Iterable[Sequence[bytes]]) -> int:
@@ -192,6 +208,11 @@ class PrefixIndex:
 
     def __repr__(self) -> str:
         return f"PrefixIndex(namespace={self.namespace!r}, block_size={self.block_size})"
+
+
+def _unpack(request: Request) -> tuple[int, Sequence[bytes], int]:
+    num_tokens, hashes, *rest = request
+    return num_tokens, hashes, (rest[0] if rest else 0)
 
 
 __all__ = ["DEFAULT_NAMESPACE", "PrefixIndex", "Request", "StoreError"]

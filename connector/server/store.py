@@ -30,6 +30,7 @@ class MasterError(RuntimeError):
 
 WRITER_GLOBAL_SEGMENT = 64 << 20  # bytes this client lends the store to hold values
 WRITER_LOCAL_BUFFER = 16 << 20  # bytes to stage puts; a client without it fails puts with -600
+MARKER_LOCAL_BUFFER = 1 << 20  # a lookup server's: enough to put its marker key on a segment others lend
 
 
 def import_store_class() -> type:
@@ -101,5 +102,5 @@ def open_writer_store(rpc_address: str, **kwargs: Any) -> Any:
     return open_store(rpc_address, **kwargs)
 
 
-__all__ = ["IBVERBS_HINT", "INSTALL_HINT", "MasterError", "WRITER_GLOBAL_SEGMENT", "WRITER_LOCAL_BUFFER",
-           "import_store_class", "open_store", "open_writer_store"]
+__all__ = ["IBVERBS_HINT", "INSTALL_HINT", "MARKER_LOCAL_BUFFER", "MasterError", "WRITER_GLOBAL_SEGMENT",
+           "WRITER_LOCAL_BUFFER", "import_store_class", "open_store", "open_writer_store"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from mooncake_lookout.connector.config import LookupConfig
@@ -39,17 +40,28 @@ class WorkerBackend:
             raise result
         return result
 
-    def lookup_many(self, queries: Any) -> list[Any]:
-        """Each query's upstream result, or the :class:`StoreError` it met; one store call in all."""
+    def lookup_many(self, queries: Any, extra_keys: Sequence[str] = ()) -> list[Any]:
+        """Each query's upstream result, or the :class:`StoreError` it met; one store call in all.
+
+        A query is ``(num_tokens, hashes)`` or ``(num_tokens, hashes, known)``: keys of the first ``known``
+        hashes are taken as present, not asked. The codes of ``extra_keys`` follow the results.
+        """
         worker = self.worker
         lookup = type(worker).lookup
         asked: list[list[str]] = []
-        for num_tokens, hashes in queries:
+        present: dict[str, int] = {}
+        for query in queries:
+            num_tokens, hashes, known = _unpack(query)
             recorder = _KeyRecorder()
             lookup(_WorkerView(worker, recorder), num_tokens, _vllm_hashes(hashes))
-            asked.append(recorder.keys)
-        union = list(dict.fromkeys(k for keys in asked for k in keys))
-        codes: dict[str, int] = {}
+            keys = recorder.keys
+            if known:
+                known_hex = set(_hex(hashes, known))
+                present.update((k, 1) for k in keys if k.rsplit("@", 1)[-1] in known_hex)
+            asked.append(keys)
+        union = [k for k in dict.fromkeys(k for keys in asked for k in keys) if k not in present]
+        union += [k for k in extra_keys if k not in present]
+        codes: dict[str, int] = dict(present)
         if union:
             t0 = time.perf_counter()
             try:
@@ -59,17 +71,35 @@ class WorkerBackend:
             except Exception as e:
                 _record(worker, t0, len(union), failed=len(union))
                 err = e if isinstance(e, StoreError) else StoreError(None, "batch_is_exist", repr(e))
-                return [err if keys else MISS for keys in asked]
-            codes = dict(zip(union, answer))
+                return [err if keys else MISS for keys in asked] + [err] * len(extra_keys)
+            codes.update(zip(union, answer))
             _record(worker, t0, len(union), failed=sum(1 for c in answer if c < 0))
         out: list[Any] = []
-        for (num_tokens, hashes), keys in zip(queries, asked):
+        for query, keys in zip(queries, asked):
+            num_tokens, hashes, _ = _unpack(query)
             bad = next((k for k in keys if codes[k] < 0), None)
             if bad is not None:
                 out.append(StoreError(codes[bad], "batch_is_exist", f"key {bad}"))
                 continue
             out.append(lookup(_WorkerView(worker, _CodeStore(codes)), num_tokens, _vllm_hashes(hashes)))
-        return out
+        return out + [codes[k] for k in extra_keys]
+
+    @property
+    def store(self) -> Any:
+        """The worker's own store client."""
+        return self.worker.store
+
+    @staticmethod
+    def marker_key(name: str) -> str:
+        """A key that is no block's (the worker's reset wipes every key, this one too)."""
+        return f"mooncake-lookout-marker@{name}"
+
+    def put_marker(self, key: str) -> bool:
+        """Store ``key``; False if the store refused it (a worker that lends no memory may)."""
+        try:
+            return self.worker.store.upsert_batch([key], [b"\x01"]) == 0
+        except Exception:
+            return False
 
     def reset(self) -> bool:
         """What upstream's server does on reset: drain in-flight puts, then wipe the store."""
@@ -119,6 +149,17 @@ class _WorkerView:
         return getattr(self._worker, name)
 
 
+def _unpack(query: Any) -> tuple[int, Any, int]:
+    num_tokens, hashes, *rest = query
+    return num_tokens, hashes, (rest[0] if rest else 0)
+
+
+def _hex(hashes: Any, count: int) -> list[str]:
+    if isinstance(hashes, HashBlob):
+        return hashes.hex(count)
+    return [bytes(h).hex() for h in hashes[:count]]
+
+
 def _vllm_hashes(hashes: Any) -> Any:
     """Hashes as upstream's lookup takes them: vLLM's ``BlobBlockHashes`` over a concatenated blob."""
     if isinstance(hashes, HashBlob):
@@ -146,7 +187,11 @@ def serve_pipelined(vllm_config: Any, config: LookupConfig, worker: Any) -> Any:
     from mooncake_lookout.connector.addresses import pipelined_lookup_address
     from mooncake_lookout.connector.server.loop import LookupServer
 
-    server = LookupServer(WorkerBackend(worker), pipelined_lookup_address(vllm_config, config))
+    # Clients cache found blocks for lookup_answer_ttl_ms: the server keeps an epoch (lets them) only once
+    # the master's key lease is known to cover that (server/lease.py, checked on a thread of its own).
+    caching = config.lookup_prefix_cache_blocks > 0
+    server = LookupServer(WorkerBackend(worker), pipelined_lookup_address(vllm_config, config), marker=caching,
+                          lease_window_s=config.answer_ttl_s)
     server.start()
     logger.info("mooncake-lookout pipelined lookup server on %s", server.address)
     return server

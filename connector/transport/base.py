@@ -24,6 +24,9 @@ class Transport(abc.ABC):
     name: str = "abstract"
     # Called for each reply that came after its lookup ended, or for none (the client sets it).
     on_late_reply: Callable[[], None] | None = None
+    # Called with each reply's store epoch and when its request was sent (a transport whose server reports
+    # an epoch: see server/epoch.py), before the reply's lookups finish.
+    on_epoch: Callable[[int, float], None] | None = None
     late_replies: int = 0
     rebuilds: int = 0
 
@@ -41,11 +44,6 @@ class Transport(abc.ABC):
         With ``until`` given, wait up to ``wait_s`` seconds for its answer (never past its deadline).
         """
 
-    @property
-    def awaiting(self) -> int:
-        """Lookups handed to this transport and not yet answered (queued in it, or in flight)."""
-        return 0
-
     def overdue(self, now: float) -> bool:
         """True when a lookup the server was asked has outlived its deadline (lookups queued behind it then
         end at once instead of waiting their turn). A transport with no queue of its own never is."""
@@ -62,6 +60,10 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Close sockets (and stop any thread); jobs still queued or in flight finish as errors."""
+
+    def _epoch(self, epoch: int, sent_at: float) -> None:
+        if self.on_epoch is not None:
+            self.on_epoch(epoch, sent_at)
 
     def _count_late(self) -> None:
         self.late_replies += 1

@@ -63,9 +63,11 @@ class PipelinedTransport(Transport):
         self._ids = itertools.count(1)
         self._inflight: dict[int, LookupJob] = {}
         self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, lookup id)
-        # frame id -> (the lookups it carried, when to forget it): a refused frame fails its lookups.
-        self._frames: collections.OrderedDict[int, tuple[list[int], float]] = collections.OrderedDict()
+        # frame id -> (the lookups it carried, when it was sent, when to forget it): a refused frame fails its
+        # lookups, and a reply's epoch counts from when its frame was sent.
+        self._frames: collections.OrderedDict[int, tuple[list[int], float, float]] = collections.OrderedDict()
         self._resets: dict[int, bool | None] = {}
+        self._reset_sent: dict[int, float] = {}
         self._last_reply = time.perf_counter()
         self._log_limit = RateLimit(10.0)
         self._ctx = zmq.Context(io_threads=1)
@@ -75,11 +77,6 @@ class PipelinedTransport(Transport):
     @property
     def in_flight(self) -> int:
         """Lookups sent and not yet answered."""
-        return len(self._inflight)
-
-    @property
-    def awaiting(self) -> int:
-        """Lookups sent and not yet answered (this transport queues nothing of its own)."""
         return len(self._inflight)
 
     # -- sending -------------------------------------------------------------------------------------------
@@ -105,7 +102,7 @@ class PipelinedTransport(Transport):
                 continue
             lookup_id = next(self._ids)
             try:
-                q = protocol.query(lookup_id, job.num_tokens, job.block_hashes)
+                q = protocol.query(lookup_id, job.num_tokens, job.block_hashes, job.known, job.epoch)
             except protocol.ProtocolError as e:
                 job.finish(Answer(Outcome.ERROR, error=str(e)))
                 continue
@@ -136,7 +133,7 @@ class PipelinedTransport(Transport):
             assert job.deadline is not None
             self._inflight[job.lookup_id] = job
             heapq.heappush(self._deadlines, (job.deadline, job.lookup_id))
-        self._frames[frame_id] = ([job.lookup_id for job in jobs], now + 2 * self.timeout_s)
+        self._frames[frame_id] = ([job.lookup_id for job in jobs], now, now + 2 * self.timeout_s)
 
     def forget(self, job: LookupJob) -> None:
         """Drop ``job``: a reply for it will count as late."""
@@ -203,8 +200,11 @@ class PipelinedTransport(Transport):
     def _accept(self, reply: protocol.Reply) -> None:
         if reply.frame_id in self._resets:
             self._resets[reply.frame_id] = reply.status == protocol.OK
+            self._epoch(reply.epoch, self._reset_sent.get(reply.frame_id, time.perf_counter()))
             return
         carried = self._frames.pop(reply.frame_id, None)
+        if carried is not None:
+            self._epoch(reply.epoch, carried[1])  # before its lookups finish: they were answered in this epoch
         if carried is None and not reply.results:
             self._count_late()  # a reply to a frame nobody waits for (a reset given up on, say)
             return
@@ -256,7 +256,7 @@ class PipelinedTransport(Transport):
             deadlines.clear()
         frames = self._frames
         while frames:
-            frame_id, (_, forget_at) = next(iter(frames.items()))
+            frame_id, (_, _, forget_at) = next(iter(frames.items()))
             if forget_at > now:
                 break
             del frames[frame_id]
@@ -283,6 +283,7 @@ class PipelinedTransport(Transport):
         except zmq.ZMQError:
             return False
         self._resets[frame_id] = None
+        self._reset_sent[frame_id] = time.perf_counter()
         end = time.perf_counter() + timeout_s
         try:
             while self._resets[frame_id] is None:
@@ -294,6 +295,7 @@ class PipelinedTransport(Transport):
             return bool(self._resets[frame_id])
         finally:
             self._resets.pop(frame_id, None)
+            self._reset_sent.pop(frame_id, None)
             self._expire(time.perf_counter())
 
     def close(self) -> None:

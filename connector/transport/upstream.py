@@ -88,11 +88,6 @@ class UpstreamTransport(Transport):
                 wait_s = min(wait_s, max(0.0, until.deadline - time.perf_counter()))
             until.done.wait(wait_s)
 
-    @property
-    def awaiting(self) -> int:
-        """Lookups queued for the thread or in flight (read without a lock: a close estimate is enough)."""
-        return len(self._queue) + (self._inflight_deadline is not None)
-
     def overdue(self, now: float) -> bool:
         """True once the lookup in flight has outlived its deadline (the server is not answering)."""
         deadline = self._inflight_deadline

@@ -75,12 +75,19 @@ class Header(msgspec.Struct, array_like=True, frozen=True):
 
 
 class Query(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
-    """One lookup in a request body: its id, the prompt length and its block hashes, concatenated."""
+    """One lookup in a request body: its id, the prompt length and its block hashes, concatenated.
+
+    ``known``: leading blocks the client already knows are in the store (its prefix cache: each was found
+    present within its lease); the server asks the store only for the blocks after them, and only if
+    ``epoch`` (the store's epoch they were found in, from a reply) is still the store's: else it asks all.
+    """
 
     lookup_id: int
     num_tokens: int
     hash_len: int
     hashes: bytes
+    known: int = 0
+    epoch: int = 0
 
     @property
     def block_hashes(self) -> HashBlob:
@@ -99,13 +106,19 @@ class Result(msgspec.Struct, array_like=True, frozen=True):
 
 
 class Reply(msgspec.Struct, array_like=True, frozen=True):
-    """The one-frame answer to a request frame."""
+    """The one-frame answer to a request frame.
+
+    ``epoch`` names the store's state as the server last saw it: it changes when the server finds its
+    marker key gone (a wipe by any instance, a master restart), so clients drop what they cached. 0: the
+    server keeps no marker (clients must not cache).
+    """
 
     version: int
     frame_id: int
     status: str
     reason: str = ""
     results: list[Result] = []
+    epoch: int = 0
 
 
 class Reset(msgspec.Struct, frozen=True):
@@ -129,7 +142,7 @@ _MISS_ANSWER = Answer(Outcome.MISS)
 
 
 # -- client side ---------------------------------------------------------------------------------------------
-def query(lookup_id: int, num_tokens: int, block_hashes: Sequence[bytes]) -> Query:
+def query(lookup_id: int, num_tokens: int, block_hashes: Sequence[bytes], known: int = 0, epoch: int = 0) -> Query:
     """One lookup as a :class:`Query`; raises :class:`ProtocolError` if it would break a limit.
 
     The hashes must share one length (vLLM's do: one hash function per engine).
@@ -138,7 +151,7 @@ def query(lookup_id: int, num_tokens: int, block_hashes: Sequence[bytes]) -> Que
     if block_hashes and not hash_len:
         raise ProtocolError(f"lookup {lookup_id}: a hash of 0 bytes is outside 1..{MAX_HASH_BYTES}")
     blob = b"".join(block_hashes)
-    q = Query(lookup_id, num_tokens, hash_len, blob)
+    q = Query(lookup_id, num_tokens, hash_len, blob, known, epoch)
     check_query(q)
     return q
 
@@ -206,6 +219,8 @@ def check_query(q: Query, frame_id: int = UNKNOWN_ID) -> None:
     if not q.hashes:
         if not 0 <= q.hash_len <= MAX_HASH_BYTES:
             raise ProtocolError(f"lookup {q.lookup_id}: hash_len {q.hash_len} outside 0..{MAX_HASH_BYTES}", frame_id)
+        if q.known:
+            raise ProtocolError(f"lookup {q.lookup_id}: {q.known} known blocks of 0", frame_id)
         return
     if not 1 <= q.hash_len <= MAX_HASH_BYTES:
         raise ProtocolError(f"lookup {q.lookup_id}: hash_len {q.hash_len} outside 1..{MAX_HASH_BYTES}", frame_id)
@@ -215,6 +230,8 @@ def check_query(q: Query, frame_id: int = UNKNOWN_ID) -> None:
     if len(q.hashes) // q.hash_len > MAX_HASHES:
         raise ProtocolError(f"lookup {q.lookup_id}: {len(q.hashes) // q.hash_len} hashes exceed the limit of "
                             f"{MAX_HASHES}", frame_id)
+    if not 0 <= q.known <= len(q.hashes) // q.hash_len:
+        raise ProtocolError(f"lookup {q.lookup_id}: {q.known} known blocks of {len(q.hashes) // q.hash_len}", frame_id)
 
 
 def decode_request(frames: Sequence[bytes]) -> Lookups | Reset:
@@ -260,14 +277,14 @@ def result_of(lookup_id: int, outcome: LookupResult | BaseException) -> Result:
     return Result(lookup_id, OK if outcome.hit_length > 0 else MISS, outcome.hit_length, tails)
 
 
-def encode_reply(frame_id: int, results: Sequence[Result]) -> bytes:
+def encode_reply(frame_id: int, results: Sequence[Result], epoch: int = 0) -> bytes:
     """The ``ok`` reply to a lookup frame, one result per query."""
-    return _ENCODER.encode(Reply(VERSION, frame_id, OK, "", list(results)))
+    return _ENCODER.encode(Reply(VERSION, frame_id, OK, "", list(results), epoch))
 
 
-def encode_status(frame_id: int, status: str, reason: str = "") -> bytes:
+def encode_status(frame_id: int, status: str, reason: str = "", epoch: int = 0) -> bytes:
     """A reply without results: a reset's ``ok``, a frame-wide ``error`` or a ``bad_request``, with its reason."""
-    return _ENCODER.encode(Reply(VERSION, frame_id, status, reason))
+    return _ENCODER.encode(Reply(VERSION, frame_id, status, reason, epoch=epoch))
 
 
 __all__ = [

@@ -35,6 +35,8 @@ LOOKUP_LIMITS: dict[str, dict[str, Any]] = {
     "lookup_max_pending": {"minimum": 1, "maximum": 1_000_000},
     "lookup_max_held": {"minimum": 1, "maximum": 10_000_000},
     "lookup_answer_ttl_ms": {"exclusiveMinimum": 0, "maximum": 3_600_000},
+    "lookup_prefix_cache_blocks": {"minimum": 0, "maximum": 100_000_000},
+    "lookup_prefix_cache_confirm_ms": {"minimum": 0, "maximum": 60_000},
     "lookup_reset_timeout_s": {"exclusiveMinimum": 0, "maximum": 3600},
     "lookup_breaker_failures": {"minimum": 1, "maximum": 10_000},
     "lookup_breaker_cooldown_s": {"exclusiveMinimum": 0, "maximum": 3600},

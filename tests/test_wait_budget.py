@@ -1,0 +1,50 @@
+"""``lookup_wait_us: auto`` (WaitBudget) on given step times and wait outcomes: what it waits, and when it stops.
+
+The budget is pure arithmetic on the times it is handed (``new_step(now)``) and the waits it is told about
+(``observe``), so these tests drive it step by step with chosen numbers; the scheduler tests run it for real.
+"""
+
+from __future__ import annotations
+
+from mooncake_lookout.connector.wait_budget import MARGIN_S, PROBE_EVERY, WaitBudget
+
+STEP_S = 0.010  # a 10 ms step: auto may wait up to 2.5 ms at the default share
+
+
+def _steps(budget: WaitBudget, n: int, t0: float, rtt_s: float | None) -> tuple[float, list[float]]:
+    """``n`` steps of STEP_S; in each, one wait that is answered after ``rtt_s`` (or runs out if ``None``
+    or longer than the budget). Returns the clock and the budgets in force."""
+    budgets = []
+    t = t0
+    for _ in range(n):
+        in_force = budget.new_step(t)
+        budgets.append(in_force)
+        if in_force > 0:
+            budget.observe(rtt_s if rtt_s is not None and rtt_s <= in_force else None)
+        t += STEP_S
+    return t, budgets
+
+
+def test_auto_waits_about_the_round_trip_when_it_fits_in_the_cap() -> None:
+    budget = WaitBudget(None, share=0.25)
+    _, budgets = _steps(budget, 40, 0.0, 0.0006)
+    assert budgets[0] == budget.share * 0.010  # nothing measured: wait up to the cap to learn
+    assert budgets[-1] == 0.0006 + MARGIN_S
+    assert budget.last_interval_s is not None and abs(budget.last_interval_s - STEP_S) < 1e-9
+
+
+def test_auto_stops_waiting_when_no_answer_ever_comes_within_the_cap() -> None:
+    """A round trip longer than the cap: every wait runs out and no round trip is ever measured. Auto must not
+    keep waiting the whole cap every step (it did: with no measured p90 it stayed in "learning" forever)."""
+    budget = WaitBudget(None, share=0.25)
+    _, budgets = _steps(budget, 4 * PROBE_EVERY, 0.0, 0.004)  # 4 ms > 2.5 ms cap
+    later = budgets[PROBE_EVERY:]
+    assert budget.rtt_p90_s is None
+    waited = [b for b in later if b > 0]
+    assert len(waited) <= len(later) // PROBE_EVERY + 1, "auto kept waiting on a store that never answers in time"
+
+
+def test_a_fixed_budget_is_what_it_says() -> None:
+    budget = WaitBudget(0.0002)
+    _, budgets = _steps(budget, 5, 0.0, None)
+    assert budgets == [0.0002] * 5
