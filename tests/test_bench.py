@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_lookout.connector.bench.run import format_report
+from mooncake_lookout.connector.bench.run import AUTO, TARGET_IDS, format_report
 
 SCRIPT = Path(sys.executable).parent / "mooncake-lookout"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -29,16 +29,33 @@ def test_quick_bench_writes_json_table_and_plots(tmp_path: Path) -> None:
         assert results["b"][client]["hit_tokens"] > 0
     hits = {results["b"][c]["hit_tokens"] for c in ("upstream", "ours/upstream-wire", "ours/pipelined")}
     assert len(hits) == 1, "the clients disagree on what the store holds"
+    floors = results["floors"]
+    assert floors["round_trip_us"]["n"] == 100 and floors["touch_us"]["n"] > 0
+    # The touch floor is the caller's side only: it cannot take longer than a whole round trip.
+    assert floors["touch_us"]["p50"] < floors["round_trip_us"]["p50"]
+    a4 = results["a4"]["clients"]
+    for client in ("upstream", "ours/pipelined"):
+        assert set(a4[client]) == {"1", "4", "16", "64"}
+        assert a4[client]["16"]["hit_tokens"] == a4["upstream"]["16"]["hit_tokens"] > 0
     modes = {m["label"]: m for m in results["c"]["modes"]}
-    assert {"upstream sync", "upstream async", "ours sync", "ours async"} <= set(modes)
+    assert {"upstream sync", "upstream async", "ours sync", "ours async", AUTO} <= set(modes)
     assert all(m["finished"] == m["requests"] > 0 for m in modes.values())
     assert modes["upstream sync"]["mean_deferred_steps"] == 0 == modes["ours sync"]["mean_deferred_steps"]
     assert results["e"]["stopped"]["ours/pipelined"]["blocked_s"] is not None
-    assert {t["id"] for t in results["targets"]} == {"a", "b", "c1", "c2", "c3", "d", "e"}
+    lengths = results["f"]["lengths"]
+    assert [length["blocks"] for length in lengths] == [8, 64, 512, 4096]
+    for length in lengths:
+        for m in length["modes"].values():
+            assert m["finished"] == m["requests"] > 0 and m["schedule_us"]["n"] > 0
+    assert [t["id"] for t in results["targets"]] == list(TARGET_IDS)
+    for t in results["targets"]:
+        assert {"id", "what", "ours", "ratio", "bound", "met"} <= set(t) and ("upstream" in t or "floor" in t)
+    load = results["machine"]
+    assert len(load["loadavg_at_start"]) == 3 == len(load["loadavg_at_end"])
 
     table = (out / "bench.txt").read_text()
     assert table.strip() == format_report(results).strip()
-    assert "targets (ratio = ours / upstream)" in table
-    for name in ("latency.png", "modes.png", "burst.png"):
+    assert "targets (ratio = ours / reference" in table
+    for name in ("latency.png", "modes.png", "burst.png", "per_step.png", "long_prompts.png"):
         data = (out / name).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 5000, name

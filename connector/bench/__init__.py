@@ -2,9 +2,12 @@
 
 * :mod:`.run`: :func:`~.run.run_bench` runs every scenario and writes ``bench.json``, ``bench.txt`` and
   the figures; :func:`~.run.targets` judges each target, :func:`~.run.format_report` prints them;
-* :mod:`.rig`: :class:`~.rig.Rig`, a real master, a filled index and both lookup servers in a child process;
-* one module per scenario: (a) :mod:`.call`, (b) :mod:`.burst`, (c) :mod:`.sched`, (d) :mod:`.overhead`,
-  (e) :mod:`.fault`; :mod:`.plots` draws the figures.
+* :mod:`.rig`: :class:`~.rig.Rig`, a real master, a filled index, both lookup servers in a child process
+  and the floor's child process;
+* one module per scenario: the floors :mod:`.floors`, (a) :mod:`.call`, (a4) :mod:`.per_step`, (b)
+  :mod:`.burst`, (c) :mod:`.sched`, (d) :mod:`.overhead`, (e) :mod:`.fault`, (f) :mod:`.long_prompts`;
+  :mod:`.plots` draws the figures;
+* :mod:`.remote`: ``bench --master`` / ``--server``, read-only figures of a user's own store or server.
 
 The demo (``mooncake-lookout demo``) stands on the same rig and scenario (c). Modules are imported on
 use: the scenarios pull in vLLM and matplotlib.

@@ -5,7 +5,9 @@ trips before the last answer, while one ``batch_is_exist`` of all their keys tak
 :func:`burst` measures the scheduler's view: every request is asked once (``non_block=True``) in the
 first step, then each pending one is asked again once per ``step_s`` until all have an answer. Any client
 with vLLM's ``lookup(req_id, num_tokens, block_hashes, non_block)`` call fits (ours, or vLLM's
-``LookupKeyClient``).
+``LookupKeyClient``). Ours is driven as our scheduler adapter drives it: each request's lookup is started
+when it arrives (``start(admission=True)``, vLLM's ``on_new_request``), every step ends with ``end_step``
+(``build_connector_meta``), and an answered request is discarded (allocated).
 
 :func:`run` does it for upstream's client and ours with each transport, the same requests, the same
 server process and store. Our client gets a deadline long enough that no answer in the burst is a timeout
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mooncake_lookout.connector.bench.call import CLIENTS, NO_SPANS, make_client
-from mooncake_lookout.connector.bench.rig import Rig
+from mooncake_lookout.connector.bench.rig import ClientMaker
 from mooncake_lookout.connector.rigs.workload import WorkloadRequest, shared_prefix_workload
 
 
@@ -52,17 +54,25 @@ def burst(client_factory: Callable[[], PollingClient], n: int = 256, step_s: flo
     """
     reqs = list(requests) if requests is not None else shared_prefix_workload(n)
     client = client_factory()
+    ours = hasattr(client, "end_step")  # our client: started at arrival, told when a step ends
     try:
         pending = {r.req_id: r for r in reqs}
         hit_tokens = 0
         steps = 0
         t0 = time.perf_counter()
+        if ours:
+            for r in reqs:
+                client.start(r.req_id, r.num_tokens, list(r.block_hashes), admission=True)  # type: ignore[attr-defined]
         while pending:
             for req_id, r in list(pending.items()):
                 result = client.lookup(req_id, r.num_tokens, list(r.block_hashes), non_block=True)
                 if result is not None:
                     hit_tokens += result.hit_length
                     del pending[req_id]
+                    if ours:
+                        client.discard(req_id)  # type: ignore[attr-defined]
+            if ours:
+                client.end_step()  # type: ignore[attr-defined]
             if not pending:
                 break
             if time.perf_counter() - t0 > timeout_s:
@@ -86,13 +96,17 @@ class _Closing:
     def close(self) -> None:
         self._close()
 
+    def __getattr__(self, name: str) -> Any:  # the client's other calls (ours: start, end_step, discard)
+        return getattr(self.client, name)
 
-def run(rig: Rig, requests: Sequence[WorkloadRequest], *, repeats: int = 3, step_s: float = 0.001) -> dict[str, Any]:
-    """Scenario (b): per client, the median of ``repeats`` bursts (seconds, steps, hit tokens)."""
+
+def run(rig: ClientMaker, requests: Sequence[WorkloadRequest], *, repeats: int = 3, step_s: float = 0.001,
+        names: Sequence[str] = CLIENTS) -> dict[str, Any]:
+    """Scenario (b): per client of ``names``, the median of ``repeats`` bursts (seconds, steps, hit tokens)."""
     n = len(requests)
     out: dict[str, Any] = {"n": n}
-    # The last row is a diagnosis, not a target: ours pipelined with metrics but no spans.
-    for name in (*CLIENTS, NO_SPANS):
+    # The NO_SPANS row is a diagnosis, not a target: ours pipelined with metrics but no spans.
+    for name in (*names, *([NO_SPANS] if "ours/pipelined" in names else [])):
         runs = []
         for i in range(repeats):
             tagged = [type(r)(f"b{i}-{r.req_id}", r.num_tokens, r.block_hashes) for r in requests]

@@ -1,10 +1,15 @@
-"""Bench scenario (a): what one lookup call costs the scheduler's thread, upstream's client vs ours.
+"""Bench scenario (a): what one lookup call costs the scheduler's thread, upstream's client vs ours vs the floors.
 
 Why: the scheduler calls the lookup path for every waiting request on every step; what that call
 costs is paid by every request in the batch. Sync: the whole blocking round trip. Async: the first
 call (submit) and the per-lookup total over the polls a scheduler makes once per model step until the
-answer is there. Our client runs with metrics and spans on (Prometheus sink + OTel tracer), the
-harder case; upstream's has neither.
+answer is there (ours: with the ``end_step`` the scheduler adapter calls once per step, timed too).
+Our client runs with metrics and spans on (Prometheus sink + OTel tracer), the harder case; upstream's
+has neither.
+
+The floors (:mod:`.floors`) are measured in the same rotation: the round-trip floor beside the blocking
+calls, the touch floor beside the async ones. Every client and floor takes its turn on a small block
+of requests, in a rotating order, so drift on a shared machine hits all alike.
 """
 
 from __future__ import annotations
@@ -13,15 +18,18 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mooncake_lookout.connector.bench.rig import Rig, close_upstream_client, summary_us
+from mooncake_lookout.connector.bench.floors import FloorServer
+from mooncake_lookout.connector.bench.rig import ClientMaker, close_upstream_client, summary_us
 from mooncake_lookout.connector.rigs.workload import WorkloadRequest
 from mooncake_lookout.metrics.in_memory import observers_with_telemetry
 
 CLIENTS = ("upstream", "ours/upstream-wire", "ours/pipelined")
 NO_SPANS = "ours/pipelined, no spans"
+ROUND_TRIP_FLOOR = "round-trip floor"
+TOUCH_FLOOR = "touch floor"
 
 
-def make_client(rig: Rig, name: str, telemetry: bool = True, *, metrics: bool = True, spans: bool = True,
+def make_client(rig: ClientMaker, name: str, telemetry: bool = True, *, metrics: bool = True, spans: bool = True,
                 **config: Any) -> tuple[Any, Callable[[], None]]:
     """One of :data:`CLIENTS` and the function that closes it (``metrics`` / ``spans``: which telemetry)."""
     if name == "upstream":
@@ -57,8 +65,13 @@ def time_sync(client: Any, requests: Sequence[WorkloadRequest], tag: str,
 
 def time_async(client: Any, requests: Sequence[WorkloadRequest], tag: str, step_s: float,
                max_polls: int = 10_000) -> tuple[list[float], list[float], list[int]]:
-    """Per lookup: the first call's seconds, all calls' seconds added up, and the polls it took."""
+    """Per lookup: the first call's seconds, all calls' seconds added up, and the polls it took.
+
+    A client with ``end_step`` (ours) gets it after each poll, as the scheduler adapter calls it once
+    per step; it is timed with the poll.
+    """
     first, total, polls = [], [], []
+    end_step = getattr(client, "end_step", None)
     for r in requests:
         req_id = f"{tag}-{r.req_id}"
         hashes = list(r.block_hashes)
@@ -66,6 +79,8 @@ def time_async(client: Any, requests: Sequence[WorkloadRequest], tag: str, step_
         for n in range(max_polls):
             t0 = time.perf_counter()
             result = client.lookup(req_id, r.num_tokens, hashes, non_block=True)
+            if end_step is not None:
+                end_step()
             dt = time.perf_counter() - t0
             if n == 0:
                 first.append(dt)
@@ -79,23 +94,70 @@ def time_async(client: Any, requests: Sequence[WorkloadRequest], tag: str, step_
     return first, total, polls
 
 
-def run(rig: Rig, requests: Sequence[WorkloadRequest], *, step_s: float = 0.001) -> dict[str, Any]:
-    """Scenario (a) for every client; figures in microseconds, raw seconds under ``raw`` for plots."""
+def blocks(requests: Sequence[WorkloadRequest], size: int) -> list[Sequence[WorkloadRequest]]:
+    """``requests`` cut into consecutive blocks of ``size`` (the last one may be shorter)."""
+    return [requests[i:i + size] for i in range(0, len(requests), size)]
+
+
+def run(rig: ClientMaker, requests: Sequence[WorkloadRequest], floor: FloorServer | None = None, *,
+        step_s: float = 0.001, block: int = 25, names: Sequence[str] = CLIENTS) -> dict[str, Any]:
+    """Scenario (a) for the clients ``names`` (and each floor, with ``floor``); microseconds, raw seconds
+    under ``raw``.
+
+    The clients and floors take turns on blocks of ``block`` requests in a rotating order: all blocking
+    calls first, then all asynchronous lookups.
+    """
     out: dict[str, Any] = {"raw": {}}
-    # The last row is a diagnosis, not a target: ours with metrics but no spans.
-    for name in (*CLIENTS, NO_SPANS):
-        client, close = (make_client(rig, "ours/pipelined", spans=False) if name == NO_SPANS
-                         else make_client(rig, name, telemetry=True))
-        try:
-            time_sync(client, requests[:20], "warm")
-            sync = time_sync(client, requests, "sync")
-            first, total, polls = time_async(client, requests, "async", step_s)
-        finally:
+    clients = {name: make_client(rig, name, telemetry=True) for name in names}
+    if "ours/pipelined" in clients:  # a diagnosis, not a target: ours with metrics but no spans
+        clients[NO_SPANS] = make_client(rig, "ours/pipelined", spans=False)
+    frames = [rig.floor_frame(r) for r in requests] if floor is not None else []
+    sync: dict[str, list[float]] = {name: [] for name in clients}
+    first: dict[str, list[float]] = {name: [] for name in clients}
+    total: dict[str, list[float]] = {name: [] for name in clients}
+    polls: dict[str, list[int]] = {name: [] for name in clients}
+    floors: dict[str, list[float]] = {ROUND_TRIP_FLOOR: [], TOUCH_FLOOR: []}
+    try:
+        for name, (client, _) in clients.items():
+            time_sync(client, requests[:20], f"warm-{name}")
+        if floor is not None:
+            floor.round_trips(frames[:20])
+        names = [*clients, *([ROUND_TRIP_FLOOR] if floor is not None else [])]
+        for i, chunk in enumerate(blocks(requests, block)):
+            for k in range(len(names)):
+                name = names[(i + k) % len(names)]
+                if name == ROUND_TRIP_FLOOR:
+                    assert floor is not None
+                    floors[name] += floor.round_trips(frames[i * block:i * block + len(chunk)])
+                else:
+                    sync[name] += time_sync(clients[name][0], chunk, f"sync{i}")
+        names = [*clients, *([TOUCH_FLOOR] if floor is not None else [])]
+        for i, chunk in enumerate(blocks(requests, block)):
+            for k in range(len(names)):
+                name = names[(i + k) % len(names)]
+                if name == TOUCH_FLOOR:
+                    assert floor is not None
+                    floors[name] += floor.touches(frames[i * block:i * block + len(chunk)], step_s)
+                else:
+                    f, t, p = time_async(clients[name][0], chunk, f"async{i}", step_s)
+                    first[name] += f
+                    total[name] += t
+                    polls[name] += p
+    finally:
+        for _, close in clients.values():
             close()
-        out[name] = {"sync_call_us": summary_us(sync), "async_first_call_us": summary_us(first),
-                     "async_per_lookup_us": summary_us(total), "async_mean_polls": sum(polls) / len(polls)}
-        out["raw"][name] = {"sync": sync, "async_first": first}
+    for name in clients:
+        out[name] = {"sync_call_us": summary_us(sync[name]), "async_first_call_us": summary_us(first[name]),
+                     "async_per_lookup_us": summary_us(total[name]),
+                     "async_mean_polls": sum(polls[name]) / max(1, len(polls[name]))}
+        out["raw"][name] = {"sync": sync[name], "async_first": first[name]}
+    if floor is not None:
+        out["floors"] = {"round_trip_us": summary_us(floors[ROUND_TRIP_FLOOR]),
+                         "touch_us": summary_us(floors[TOUCH_FLOOR])}
+        out["raw"][ROUND_TRIP_FLOOR] = {"sync": floors[ROUND_TRIP_FLOOR]}
+        out["raw"][TOUCH_FLOOR] = {"async_first": floors[TOUCH_FLOOR]}
     return out
 
 
-__all__ = ["CLIENTS", "NO_SPANS", "make_client", "run", "time_async", "time_sync"]
+__all__ = ["CLIENTS", "NO_SPANS", "ROUND_TRIP_FLOOR", "TOUCH_FLOOR", "blocks", "make_client", "run", "time_async",
+           "time_sync"]

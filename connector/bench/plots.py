@@ -27,9 +27,9 @@ def _cdf(ax: Any, values_s: Sequence[float], label: str) -> None:
 def latency_plot(raw: dict[str, dict[str, list[float]]], path: str) -> str:
     """CDFs of the scheduler-path cost of one call (scenario a): blocking calls and async first calls."""
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for name, series in raw.items():
-        _cdf(axes[0], series["sync"], name)
-        _cdf(axes[1], series["async_first"], name)
+    for name, series in raw.items():  # a floor has one series only
+        _cdf(axes[0], series.get("sync", []), name)
+        _cdf(axes[1], series.get("async_first", []), name)
     for ax, title in zip(axes, ("blocking lookup call (sync)", "first non-blocking call (async)"), strict=True):
         ax.set_xscale("log")
         ax.set_xlabel("microseconds on the scheduler's thread")
@@ -80,6 +80,50 @@ def burst_plot(burst: dict[str, Any], path: str) -> str:
     return path
 
 
+def per_step_plot(a4: dict[str, Any], path: str) -> str:
+    """Cost per lookup on the scheduler's thread against lookups arriving per step, per client (scenario a4)."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ks = a4["ks"]
+    for name, per_k in a4["clients"].items():
+        ax.plot(ks, [per_k[str(k)]["per_lookup_us"]["p50"] for k in ks], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("lookups arriving in one step (k)")
+    ax.set_ylabel("us per lookup on the scheduler's thread (p50)")
+    ax.set_title("k lookups per step")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def long_prompts_plot(f: dict[str, Any], path: str) -> str:
+    """Per-call cost, mean ``schedule()`` time and time to answer against prompt length (scenario f)."""
+    lengths = f["lengths"]
+    blocks = [length["blocks"] for length in lengths]
+    panels = (("call_us", "mean", "lookup call, mean (us)"), ("schedule_us", "mean", "schedule() per step, mean (us)"),
+              ("answer_delay_us", "p50", "arrival to answer, p50 (us)"))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for label in lengths[0]["modes"]:
+        for ax, (key, stat, _) in zip(axes, panels):
+            ax.plot(blocks, [length["modes"][label][key].get(stat, float("nan")) for length in lengths], marker="o",
+                    label=label)
+    for ax, (_, _, title) in zip(axes, panels):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("prompt length (blocks of 16 tokens)")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle("vLLM scheduler, both async: prompt length")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def write_all(results: dict[str, Any], raw_latency: dict[str, Any], out_dir: str) -> list[str]:
     """Every figure of a bench run into ``out_dir``; returns the paths written."""
     os.makedirs(out_dir, exist_ok=True)
@@ -88,7 +132,11 @@ def write_all(results: dict[str, Any], raw_latency: dict[str, Any], out_dir: str
         paths.append(modes_plot(results["c"]["modes"], os.path.join(out_dir, "modes.png")))
     if "b" in results:
         paths.append(burst_plot(results["b"], os.path.join(out_dir, "burst.png")))
+    if "a4" in results:
+        paths.append(per_step_plot(results["a4"], os.path.join(out_dir, "per_step.png")))
+    if "f" in results:
+        paths.append(long_prompts_plot(results["f"], os.path.join(out_dir, "long_prompts.png")))
     return paths
 
 
-__all__ = ["burst_plot", "latency_plot", "modes_plot", "write_all"]
+__all__ = ["burst_plot", "latency_plot", "long_prompts_plot", "modes_plot", "per_step_plot", "write_all"]

@@ -10,7 +10,8 @@ master, the same keys and the same kind of server. :class:`Rig` starts them once
   threads would fight the scheduler for the GIL and skew every latency): it runs vLLM's own
   ``LookupKeyServer`` (upstream wire, IPC path derived from a real ``VllmConfig``) and our
   :class:`LookupServer` (pipelined and upstream wire), both over a :class:`PrefixIndex` on its own store
-  client.
+  client;
+* with ``floor=True``, the round-trip floor's child process (:class:`~.floors.FloorServer`) on the same master.
 
 Clients are built on demand: vLLM's ``LookupKeyClient``, or our :class:`LookupClient` with either
 transport. :func:`token_prompts` gives token prompts with shared prefixes for vLLM's real scheduler.
@@ -31,6 +32,11 @@ from mooncake_lookout.connector.transport.names import PIPELINED, UPSTREAM
 
 BLOCK_SIZE = 16
 _ports = itertools.count(7000 + os.getpid() % 1000 * 10)
+
+
+def next_lookup_port() -> int:
+    """A ``lookup_rpc_port`` no other rig of this process uses (it only names an IPC path)."""
+    return next(_ports)
 
 
 def quantile(values: Sequence[float], q: float) -> float:
@@ -80,20 +86,62 @@ def close_upstream_client(client: Any, timeout_s: float = 5.0) -> bool:
     return True
 
 
-class Rig:
+class ClientMaker:
+    """Builds the clients a scenario compares: vLLM's ``LookupKeyClient`` and ours with either transport.
+
+    A subclass gives ``lookup_vllm_config`` (where vLLM's client connects) and ``addresses`` (transport ->
+    the address our client connects to).
+    """
+
+    lookup_vllm_config: Any = None
+
+    @property
+    def addresses(self) -> dict[str, str]:
+        """Transport -> the address a client of that transport connects to."""
+        raise NotImplementedError
+
+    def floor_frame(self, request: Any) -> bytes:
+        """The round-trip floor's request for ``request``: the keys its lookup asks the store."""
+        raise NotImplementedError
+
+    def upstream_client(self) -> Any:
+        """vLLM 0.33's own ``LookupKeyClient``, connected to vLLM's ``LookupKeyServer``."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import (
+            LookupKeyClient,
+        )
+
+        return LookupKeyClient(self.lookup_vllm_config)
+
+    def address(self, transport: str) -> str:
+        """Where a client of ``transport`` connects: vLLM's server for upstream, ours for pipelined."""
+        return self.addresses[transport]
+
+    def our_client(self, transport: str, observers: Iterable[LookupObserver] = (), **config: Any) -> Any:
+        """Our ``LookupClient`` over ``transport`` with ``config`` keys (``lookup_`` prefix optional)."""
+        from mooncake_lookout.connector.client import LookupClient
+        from mooncake_lookout.connector.transport import make_transport
+
+        keys = {(k if k.startswith("lookup_") else "lookup_" + k): v for k, v in config.items()}
+        cfg = LookupConfig(lookup_transport=transport, **keys)
+        return LookupClient(cfg, make_transport(cfg, self.address(transport)), observer=ObserverSet(list(observers)))
+
+
+class Rig(ClientMaker):
     """A real master, a prefix index and both lookup servers; a context manager that stops them all by pid.
 
     ``rpc_timeout_ms`` bounds one store call of the servers' client (Mooncake's ``MC_RPC_TIMEOUT_MS``);
     """
 
-    def __init__(self, *, namespace: str = "bench", rpc_timeout_ms: int | None = 30_000) -> None:
+    def __init__(self, *, namespace: str = "bench", rpc_timeout_ms: int | None = 30_000, floor: bool = False) -> None:
         self.namespace = namespace
         self.rpc_timeout_ms = rpc_timeout_ms
+        self.with_floor = floor
         self._stack = ExitStack()
         self.master: Any = None
         self.index: Any = None
         self.servers: Any = None
-        self.lookup_rpc_port = next(_ports)
+        self.floor: Any = None
+        self.lookup_rpc_port = next_lookup_port()
 
     def start(self) -> Rig:
         """Start the master, the store client and both servers; on any failure, stop what started."""
@@ -123,28 +171,23 @@ class Rig:
         stack.callback(store.close)
         self.index = PrefixIndex(store, BLOCK_SIZE, namespace=self.namespace)
         self.lookup_vllm_config = lookup_vllm_config(self.lookup_rpc_port)
+        if self.with_floor:
+            from mooncake_lookout.connector.bench.floors import FloorServer
+
+            self.floor = stack.enter_context(FloorServer(self.master.rpc_address, rpc_timeout_ms=self.rpc_timeout_ms))
+
+    def floor_frame(self, request: Any) -> bytes:
+        """The round-trip floor's request for ``request``: the very keys our index asks for its lookup."""
+        from mooncake_lookout.connector.bench.floors import key_frame
+
+        hashes = request.block_hashes
+        return key_frame(self.index.keys(hashes, self.index.countable_blocks(request.num_tokens, len(hashes))))
 
     # -- clients -------------------------------------------------------------------------------------------
-    def upstream_client(self) -> Any:
-        """vLLM 0.33's own ``LookupKeyClient``, connected to vLLM's ``LookupKeyServer``."""
-        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import (
-            LookupKeyClient,
-        )
-
-        return LookupKeyClient(self.lookup_vllm_config)
-
-    def address(self, transport: str) -> str:
-        """Where a client of ``transport`` connects: vLLM's server for upstream, ours for pipelined."""
-        return self.servers.addresses[transport]
-
-    def our_client(self, transport: str, observers: Iterable[LookupObserver] = (), **config: Any) -> Any:
-        """Our ``LookupClient`` over ``transport`` with ``config`` keys (``lookup_`` prefix optional)."""
-        from mooncake_lookout.connector.client import LookupClient
-        from mooncake_lookout.connector.transport import make_transport
-
-        keys = {(k if k.startswith("lookup_") else "lookup_" + k): v for k, v in config.items()}
-        cfg = LookupConfig(lookup_transport=transport, **keys)
-        return LookupClient(cfg, make_transport(cfg, self.address(transport)), observer=ObserverSet(list(observers)))
+    @property
+    def addresses(self) -> dict[str, str]:
+        """Transport -> address of the server process's servers."""
+        return dict(self.servers.addresses)
 
     def scheduler_extra(self, ours: bool, transport: str = PIPELINED, **config: Any) -> dict[str, Any]:
         """``kv_connector_extra_config`` for a scheduler wired to this rig's servers."""
@@ -167,4 +210,5 @@ class Rig:
         self.close()
 
 
-__all__ = ["BLOCK_SIZE", "Rig", "close_upstream_client", "quantile", "summary_us", "token_prompts"]
+__all__ = ["BLOCK_SIZE", "ClientMaker", "Rig", "close_upstream_client", "next_lookup_port", "quantile", "summary_us",
+           "token_prompts"]

@@ -1,10 +1,14 @@
-"""``mooncake-lookout bench``: upstream's lookup path vs ours, in one process, against one real master.
+"""``mooncake-lookout bench``: upstream's lookup path vs ours vs the machine's floors, in one run, on one real master.
 
-Scenarios (one module each in this package): (a) :mod:`.call` scheduler-path cost of one call; (b)
+Scenarios (one module each in this package): the floors (:mod:`.floors`, measured within (a)); (a)
+:mod:`.call` scheduler-path cost of one call; (a4) :mod:`.per_step` k lookups arriving in one step; the
+server side per backend (:mod:`.backends`, in-process, read-only); (b)
 :mod:`.burst` a burst of new requests; (c) :mod:`.sched` vLLM's real scheduler per lookup mode; (d)
-:mod:`.overhead` metrics and spans on vs off; (e) :mod:`.fault` the store slowed or stopped.
+:mod:`.overhead` metrics and spans on vs off; (e) :mod:`.fault` the store slowed or stopped; (f)
+:mod:`.long_prompts` prompts of 8 to 4,096 blocks through vLLM's scheduler.
 Writes ``bench.json`` (machines), ``bench.txt`` (the table printed) and PNG figures to ``--out``.
-Each target's ratio (ours / upstream) is printed beside the absolute figures, with "met" or "MISSED".
+Each target of the lookup-path issue is judged in :func:`targets`: ours, the reference (upstream, a
+floor, a deadline), the ratio, the bound and "met" or "MISSED".
 """
 
 from __future__ import annotations
@@ -18,15 +22,32 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from mooncake_lookout.connector.bench import long_prompts
+from mooncake_lookout.connector.bench.report import (
+    a4_block,
+    a_block,
+    b_block,
+    backends_block,
+    c_block,
+    d_block,
+    e_block,
+    f_block,
+    floors_block,
+    targets_block,
+)
+from mooncake_lookout.connector.bench.report import ratio as ratio_of
 from mooncake_lookout.connector.rigs.workload import shared_prefix_workload
 from mooncake_lookout.connector.transport.names import UPSTREAM
 
 BUDGET_US = 200
+AUTO = "ours budget auto"
+A4_K = 16  # the k of target a4
+TARGET_IDS = ("a", "a1", "a4", "a2", "a3", "b", "c1", "c2", "d", "e", "f")
 
 
 @dataclass(frozen=True)
 class Sizes:
-    """How much each scenario does: ``quick`` (a test, under ~90 s) or full (a few minutes)."""
+    """How much each scenario does: ``quick`` (a test, well under 2 minutes) or full (several minutes)."""
 
     call_requests: int
     burst_n: int
@@ -36,10 +57,13 @@ class Sizes:
     fault_requests: int
     fault_wait_s: float
     budgets_us: tuple[int, ...]
+    per_step_rounds: int
+    lengths: tuple[long_prompts.Length, ...]
+    backend_rounds: int
 
 
-QUICK = Sizes(100, 256, 1, 100, 6, 20, 2.0, (BUDGET_US,))
-FULL = Sizes(500, 256, 5, 400, 24, 100, 5.0, (BUDGET_US, 500, 1000))
+QUICK = Sizes(100, 256, 1, 100, 6, 20, 2.0, (BUDGET_US,), 6, long_prompts.QUICK, 5)
+FULL = Sizes(500, 256, 5, 400, 24, 100, 5.0, (BUDGET_US, 500, 1000), 40, long_prompts.FULL, 30)
 
 
 def _modes(sizes: Sizes) -> list[Any]:
@@ -48,7 +72,8 @@ def _modes(sizes: Sizes) -> list[Any]:
     modes = [mode("upstream sync", False, lookup_async=False),
              mode("upstream async", False, lookup_async=True),
              mode("ours sync", True, lookup_async=False),
-             mode("ours async", True, lookup_async=True)]
+             mode("ours async", True, lookup_async=True),
+             mode(AUTO, True, lookup_async=True, lookup_wait_us="auto")]
     modes += [mode(f"ours budget {b}us", True, lookup_async=True, lookup_wait_us=b) for b in sizes.budgets_us]
     modes.append(mode(f"ours budget {BUDGET_US}us upstream-wire", True, UPSTREAM, lookup_async=True,
                       lookup_wait_us=BUDGET_US))
@@ -57,24 +82,29 @@ def _modes(sizes: Sizes) -> list[Any]:
 
 def run_bench(out_dir: str, *, quick: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run every scenario, write the outputs, return the results (as written to ``bench.json``)."""
-    from mooncake_lookout.connector.bench import burst, call, fault, overhead, sched
+    from mooncake_lookout.connector.bench import burst, call, fault, overhead, per_step, sched
     from mooncake_lookout.connector.bench.plots import write_all
     from mooncake_lookout.connector.bench.rig import Rig
 
     sizes = QUICK if quick else FULL
     t_start = time.perf_counter()
-    results: dict[str, Any] = {"quick": quick, "machine": _machine()}
+    results: dict[str, Any] = {"quick": quick, "machine": machine()}
     call_reqs = shared_prefix_workload(sizes.call_requests, num_prefixes=4, seed=1)
     burst_reqs = shared_prefix_workload(sizes.burst_n, num_prefixes=4, seed=2)
-    log("starting a Mooncake master and the lookup server process ...")
-    with Rig(namespace="bench") as rig:
+    log("starting a Mooncake master, the lookup server process and the floor's process ...")
+    with Rig(namespace="bench", floor=True) as rig:
         rig.index.store_prefixes([r.block_hashes[:4] if i % 2 else r.block_hashes
                                   for i, r in enumerate(call_reqs + burst_reqs)])
         results["rig_start_s"] = time.perf_counter() - t_start
-        log("(a) scheduler-path cost of one call ...")
-        a = call.run(rig, call_reqs)
+        log("(a) scheduler-path cost of one call, with the round-trip and touch floors ...")
+        a = call.run(rig, call_reqs, rig.floor)
         raw_latency = a.pop("raw")
+        results["floors"] = a.pop("floors")
         results["a"] = a
+        log("(a4) k lookups arriving in one step ...")
+        results["a4"] = per_step.run(rig, call_reqs, rounds=sizes.per_step_rounds)
+        log("server side: one lookup per backend ...")
+        results["backends"] = _backends(rig, sizes.backend_rounds)
         log(f"(b) burst of {sizes.burst_n} ...")
         results["b"] = burst.run(rig, burst_reqs, repeats=sizes.burst_repeats)
         log("(c) vLLM's scheduler per lookup mode ...")
@@ -86,6 +116,8 @@ def run_bench(out_dir: str, *, quick: bool = False, log: Callable[[str], None] =
         results["d"] = overhead.run(rig, call_reqs, rounds=sizes.overhead_rounds)
         log("(e) store slowed, then stopped ...")
         results["e"] = fault.run(rig, call_reqs[:sizes.fault_requests], wait_s=sizes.fault_wait_s)
+        log("(f) prompts of 8 to 4,096 blocks through vLLM's scheduler ...")
+        results["f"] = long_prompts.run(rig, sizes.lengths)
     results["machine"]["loadavg_at_end"] = list(os.getloadavg())
     results["targets"] = targets(results)
     results["seconds"] = time.perf_counter() - t_start
@@ -100,136 +132,139 @@ def run_bench(out_dir: str, *, quick: bool = False, log: Callable[[str], None] =
     return results
 
 
+def _backends(rig: Any, rounds: int) -> dict[str, Any]:
+    """The server-side cost per backend, over a lookup-only client of the rig's master (vLLM's layout for a
+    model named ``bench``)."""
+    from mooncake_lookout.connector.bench import backends
+    from mooncake_lookout.connector.rigs.vllm_layout import Layout, ReadOnlyStore, layout_worker
+    from mooncake_lookout.connector.server.store import open_store
+
+    client = open_store(rig.master.rpc_address)
+    try:
+        store = ReadOnlyStore(client)
+        return backends.run(store, layout_worker(store, Layout("bench")), rounds=rounds)
+    finally:
+        client.close()
+
+
 def _json_default(obj: Any) -> Any:
     if isinstance(obj, float) and math.isnan(obj):
         return None
     return str(obj)
 
 
-def _machine() -> dict[str, Any]:
+def machine() -> dict[str, Any]:
     # The load average matters on a shared machine: other work on the cores shows up in every latency.
     return {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform(),
             "loadavg_at_start": list(os.getloadavg())}
 
 
-def _mode(results: dict[str, Any], label: str) -> dict[str, Any]:
-    return next(m for m in results["c"]["modes"] if m["label"] == label)
+def _mode(modes: list[dict[str, Any]], label: str) -> dict[str, Any]:
+    return next(m for m in modes if m["label"] == label)
+
+
+def _target(id_: str, what: str, ours: float, ref: float | None, *, vs: str, unit: str, limit: float,
+            ratio: float | None = None, judged: float | None = None, bound: str | None = None) -> dict[str, Any]:
+    """One target: ``ours`` against ``ref`` (upstream's figure or a floor's, per ``vs``); met when the judged
+    figure (the ratio, unless ``judged`` is given) is at most ``limit``."""
+    ratio = ratio_of(ours, ref) if ratio is None else ratio
+    figure = ratio if judged is None else judged
+    entry: dict[str, Any] = {"id": id_, "what": what, "ours": ours, "vs": vs, "unit": unit}
+    entry["floor" if "floor" in vs else "upstream"] = ref
+    entry.update(ratio=ratio, bound=bound or f"<= {limit:g}", met=figure is not None and figure <= limit)
+    return entry
+
+
+def _has(r: dict[str, Any], *path: str) -> bool:
+    for key in path:
+        if not isinstance(r, dict) or key not in r:
+            return False
+        r = r[key]
+    return True
 
 
 def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each issue target: the figures, the ratio, the bound and whether it was met."""
+    """Each target of the lookup-path issue, in :data:`TARGET_IDS` order: figures, ratio, bound, met.
+
+    A target whose figures were not measured (``bench --server`` has no upstream, say) is left out.
+    """
     out = []
-    a_up, a_ours = r["a"]["upstream"], r["a"]["ours/pipelined"]
-    ratio = a_ours["async_per_lookup_us"]["p50"] / a_up["async_per_lookup_us"]["p50"]
-    out.append({"id": "a", "what": "async scheduler-path cost per lookup, median, ours (metrics+spans) / upstream",
-                "ours": a_ours["async_per_lookup_us"]["p50"], "upstream": a_up["async_per_lookup_us"]["p50"],
-                "unit": "us", "ratio": ratio, "bound": "<= 1.0x", "met": ratio <= 1.0})
-    b = r["b"]
-    ratio = b["ours/pipelined"]["seconds"] / b["upstream"]["seconds"]
-    out.append({"id": "b", "what": f"burst of {b['n']}: time to all answers, ours pipelined / upstream",
-                "ours": b["ours/pipelined"]["seconds"] * 1e3, "upstream": b["upstream"]["seconds"] * 1e3,
-                "unit": "ms", "ratio": ratio, "bound": "<= 0.25x", "met": ratio <= 0.25})
-    budget, up_async = _mode(r, f"ours budget {BUDGET_US}us"), _mode(r, "upstream async")
-    out.append({"id": "c1", "what": f"budget {BUDGET_US}us at admission: mean deferred steps per request",
-                "ours": budget["mean_deferred_steps"], "upstream": up_async["mean_deferred_steps"], "unit": "steps",
-                "ratio": _ratio(budget["mean_deferred_steps"], up_async["mean_deferred_steps"]),
-                "bound": "<= 0.2", "met": budget["mean_deferred_steps"] <= 0.2})
-    p99 = budget["call_us"]["p99"]
-    out.append({"id": "c2", "what": f"budget {BUDGET_US}us: p99 of one scheduler call",
-                "ours": p99, "upstream": _mode(r, "upstream sync")["call_us"]["p99"], "unit": "us",
-                "ratio": _ratio(p99, _mode(r, "upstream sync")["call_us"]["p99"]),
-                "bound": f"<= {BUDGET_US + 50} us", "met": p99 <= BUDGET_US + 50})
-    out.append({"id": "c3", "what": "upstream async defers every request at least once (share deferred)",
-                "ours": budget["requests_deferred"], "upstream": up_async["requests_deferred"], "unit": "share",
-                "ratio": _ratio(budget["requests_deferred"], up_async["requests_deferred"]),
-                "bound": "upstream = 1.0", "met": up_async["requests_deferred"] >= 1.0})
-    d = r["d"]["median_overhead"]
-    out.append({"id": "d", "what": "metrics+spans on: added end-to-end lookup time (median)",
-                "ours": r["d"]["on_us"]["p50"], "upstream": r["d"]["off_us"]["p50"], "unit": "us (on / off)",
-                "ratio": 1.0 + d, "bound": "<= 1.05x", "met": d <= 0.05})
-    e = r["e"]["stopped"]
-    ours_block = max(e[n]["blocked_s"] or float("inf") for n in ("ours/pipelined", "ours/upstream-wire"))
-    up = e["upstream"]
-    up_block = up["blocked_s"] if up.get("blocked_s") is not None else up["still_blocked_after_s"]
-    deadline_s = e["ours/pipelined"]["deadline_ms"] / 1e3
-    out.append({"id": "e", "what": "store stopped: longest blocking call, ours (deadline 100 ms) / upstream",
-                "ours": ours_block * 1e3, "upstream": up_block * 1e3, "unit": "ms", "ratio": ours_block / up_block,
-                "bound": "ours <= deadline (+5%), upstream blocks",
-                "met": ours_block <= deadline_s * 1.05
-                and (up.get("blocked_s") is None or up["blocked_s"] > deadline_s)})
+    floors = r.get("floors", {})
+    if _has(r, "a", "ours/pipelined"):
+        a_ours = r["a"]["ours/pipelined"]
+        async_ours, sync_ours = a_ours["async_per_lookup_us"]["p50"], a_ours["sync_call_us"]["p50"]
+        a_up = r["a"].get("upstream")
+        if a_up is not None:
+            out.append(_target("a", "async scheduler-path cost per lookup, median, ours (metrics+spans) / upstream",
+                               async_ours, a_up["async_per_lookup_us"]["p50"], vs="upstream", unit="us", limit=1.0))
+        if floors:
+            out.append(_target("a1", "the same, ours / touch floor (one send + one drain on the caller's thread)",
+                               async_ours, floors["touch_us"]["p50"], vs="touch floor", unit="us", limit=1.5))
+        if _has(r, "a4", "clients", "upstream", str(A4_K)) and _has(r, "a4", "clients", "ours/pipelined", str(A4_K)):
+            a4 = r["a4"]["clients"]
+            out.append(_target("a4", f"{A4_K} lookups arriving in one step: cost per lookup, median, ours / upstream",
+                               a4["ours/pipelined"][str(A4_K)]["per_lookup_us"]["p50"],
+                               a4["upstream"][str(A4_K)]["per_lookup_us"]["p50"], vs="upstream", unit="us",
+                               limit=0.5))
+        if a_up is not None:
+            out.append(_target("a2", "blocking lookup p50, ours / upstream", sync_ours, a_up["sync_call_us"]["p50"],
+                               vs="upstream", unit="us", limit=0.9))
+        if floors:
+            out.append(_target("a3", "blocking lookup p50, ours / round-trip floor", sync_ours,
+                               floors["round_trip_us"]["p50"], vs="round-trip floor", unit="us", limit=1.2))
+    if _has(r, "b", "upstream") and _has(r, "b", "ours/pipelined"):
+        b = r["b"]
+        out.append(_target("b", f"burst of {b['n']}: time to all answers, ours pipelined / upstream",
+                           b["ours/pipelined"]["seconds"] * 1e3, b["upstream"]["seconds"] * 1e3, vs="upstream",
+                           unit="ms", limit=0.1))
+    if _has(r, "c", "modes") and floors:
+        modes = r["c"]["modes"]
+        auto, up_async = _mode(modes, AUTO), _mode(modes, "upstream async")
+        out.append(_target("c1", "lookup_wait_us auto: mean deferred steps per request (upstream async beside it)",
+                           auto["mean_deferred_steps"], up_async["mean_deferred_steps"], vs="upstream",
+                           unit="steps", limit=0.2, judged=auto["mean_deferred_steps"], bound="ours <= 0.2 steps"))
+        out.append(_target("c2", "lookup_wait_us auto: p99 of one scheduler call / the round-trip floor's p99",
+                           auto["call_us"]["p99"], floors["round_trip_us"]["p99"], vs="round-trip floor", unit="us",
+                           limit=1.5))
+    if _has(r, "d"):
+        d = r["d"]
+        out.append(_target("d", "metrics+spans on: added end-to-end lookup time (median; reference: telemetry off)",
+                           d["on_us"]["p50"], d["off_us"]["p50"], vs="telemetry off", unit="us", limit=0.05,
+                           ratio=1.0 + d["median_overhead"], judged=d["median_overhead"], bound="<= 5% added"))
+    if _has(r, "e", "stopped"):
+        e = r["e"]["stopped"]
+        ours_block = max(e[n]["blocked_s"] or float("inf") for n in ("ours/pipelined", "ours/upstream-wire"))
+        up = e["upstream"]
+        up_block = up["blocked_s"] if up.get("blocked_s") is not None else up["still_blocked_after_s"]
+        deadline_s = e["ours/pipelined"]["deadline_ms"] / 1e3
+        entry = _target("e", f"store stopped: longest blocking call / the deadline ({deadline_s * 1e3:g} ms); "
+                             "upstream blocks beside it", ours_block * 1e3, up_block * 1e3,
+                        vs="upstream blocked; ratio to the deadline", unit="ms", limit=1.05,
+                        ratio=ours_block / deadline_s, bound="ours <= deadline + 5%, upstream blocks")
+        entry["met"] = entry["met"] and (up.get("blocked_s") is None or up["blocked_s"] > deadline_s)
+        entry["deadline_ms"] = deadline_s * 1e3
+        out.append(entry)
+    if _has(r, "f", "lengths"):
+        longest = max(r["f"]["lengths"], key=lambda length: length["blocks"])
+        f_modes = longest["modes"]
+        out.append(_target("f", f"{longest['blocks']}-block prompts, both async: mean schedule() time per step, "
+                                "ours / upstream", f_modes["ours async"]["schedule_us"]["mean"],
+                           f_modes["upstream async"]["schedule_us"]["mean"], vs="upstream", unit="us", limit=1.0))
     return out
-
-
-def _ratio(a: float, b: float) -> float | None:
-    return a / b if b else None
-
-
-def _f(v: Any, digits: int = 1) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "-"
-        return f"{v:.{digits}f}"
-    return str(v)
 
 
 def format_report(r: dict[str, Any]) -> str:
     """The human-readable report: one block per scenario, then the targets."""
-    load = r["machine"].get("loadavg_at_start", [float("nan")])[0]
-    lines = [f"mooncake-lookout bench ({'quick' if r['quick'] else 'full'}; {r['machine']['cpus']} CPUs, "
-             f"Python {r['machine']['python']}, load average {load:.2f} at start)", ""]
-    lines.append("(a) scheduler-path cost of one lookup call, us (ours with metrics+spans on)")
-    lines.append(f"  {'client':26} {'sync p50':>9} {'sync p99':>9} {'async 1st p50':>14} {'async/lookup p50':>17} "
-                 f"{'x upstream':>10}")
-    base = r["a"]["upstream"]["async_per_lookup_us"]["p50"]
-    for name, v in r["a"].items():
-        lines.append(f"  {name:26} {_f(v['sync_call_us']['p50']):>9} {_f(v['sync_call_us']['p99']):>9} "
-                     f"{_f(v['async_first_call_us']['p50']):>14} {_f(v['async_per_lookup_us']['p50']):>17} "
-                     f"{_f(v['async_per_lookup_us']['p50'] / base, 2):>10}")
-    b = r["b"]
-    lines += ["", f"(b) burst of {b['n']} new requests: time until every answer is ready"]
-    for name, v in b.items():
-        if isinstance(v, dict):
-            lines.append(f"  {name:26} {v['seconds'] * 1e3:8.1f} ms  {v['steps']:5.0f} steps  "
-                         f"hit tokens {v['hit_tokens']}  x upstream {v['seconds'] / b['upstream']['seconds']:.2f}")
-    c = r["c"]
-    lines += ["", f"(c) vLLM's scheduler, {c['steps']} steps, {c['arrivals_per_step']} arrivals/step, "
-              f"model step {c['model_step_ms']} ms"]
-    lines.append(f"  {'mode':34} {'call p50':>8} {'call p99':>8} {'call max':>8} {'blocked/step':>12} "
-                 f"{'deferred/req':>12} {'% deferred':>10} {'answer p50 ms':>13} {'reuse':>6}")
-    for m in c["modes"]:
-        lines.append(f"  {m['label']:34} {_f(m['call_us'].get('p50')):>8} {_f(m['call_us'].get('p99')):>8} "
-                     f"{_f(m['call_us'].get('max')):>8} {_f(m['blocked_per_step_us'].get('mean')):>12} "
-                     f"{m['mean_deferred_steps']:12.2f} {100 * m['requests_deferred']:10.0f} "
-                     f"{_f(m['answer_delay_us'].get('p50', 0) / 1e3, 2):>13} {m['reuse_ratio']:6.2f}")
-    d = r["d"]
-    lines += ["", "(d) instrumentation: blocking lookup end to end, us",
-              f"  on  p50 {_f(d['on_us']['p50'])}  mean {_f(d['on_us']['mean'])}",
-              f"  off p50 {_f(d['off_us']['p50'])}  mean {_f(d['off_us']['mean'])}",
-              f"  added by both: median {100 * d['median_overhead']:+.1f}%, mean {100 * d['mean_overhead']:+.1f}%",
-              f"  metrics only: median {100 * d['metrics_median_overhead']:+.1f}%; spans only: median "
-              f"{100 * d['spans_median_overhead']:+.1f}%"]
-    e = r["e"]
-    lines += ["", "(e) store slowed (master frozen 20 ms of every 40 ms): us"]
-    for name, v in e["slowed"].items():
-        lines.append(f"  {name:22} sync call p50 {_f(v['sync_call_us']['p50'])} p99 {_f(v['sync_call_us']['p99'])} "
-                     f"max {_f(v['sync_call_us']['max'])}; hits {v['sync_hits']}/{v['sync_answers']}; "
-                     f"async per lookup p99 {_f(v['async_per_lookup_us']['p99'])}")
-    lines.append(f"    store stopped (master frozen), one blocking call, bounded wait {e['stopped']['wait_s']} s:")
-    for name, v in e["stopped"].items():
-        if not isinstance(v, dict):
-            continue
-        if v.get("blocked_s") is None:
-            lines.append(f"  {name:22} blocked > {v['still_blocked_after_s']} s (still blocked); returned "
-                         f"{_f(v.get('returned_after_resume_s'), 2)} s after the master was thawed")
-        else:
-            lines.append(f"  {name:22} blocked {v['blocked_s'] * 1e3:.1f} ms, answered {v['hit_tokens']} hit tokens")
-    lines += ["", "targets (ratio = ours / upstream):"]
-    for t in r["targets"]:
-        lines.append(f"  ({t['id']}) {t['what']}: ours {_f(t['ours'], 2)} vs {_f(t['upstream'], 2)} {t['unit']}, "
-                     f"ratio {_f(t['ratio'], 2)} [{t['bound']}] -> {'met' if t['met'] else 'MISSED'}")
-    return "\n".join(lines)
+    machine = r["machine"]
+    start = machine.get("loadavg_at_start", [float("nan")])[0]
+    end = machine.get("loadavg_at_end", [float("nan")])[0]
+    lines = [f"mooncake-lookout bench ({'quick' if r['quick'] else 'full'}; {machine['cpus']} CPUs, "
+             f"Python {machine['python']}, load average {start:.2f} at start, {end:.2f} at end)", ""]
+    for block in (floors_block(r), a_block(r), a4_block(r), backends_block(r), b_block(r), c_block(r), d_block(r),
+                  e_block(r), f_block(r)):
+        lines += block + [""]
+    return "\n".join(lines + targets_block(r["targets"]))
 
 
-__all__ = ["FULL", "QUICK", "Sizes", "format_report", "run_bench", "targets"]
+__all__ = ["A4_K", "AUTO", "BUDGET_US", "FULL", "QUICK", "Sizes", "TARGET_IDS", "format_report", "machine",
+           "run_bench", "targets"]

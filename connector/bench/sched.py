@@ -78,6 +78,7 @@ class SchedRun:
     seconds: float = 0.0
     calls: list[float] = field(default_factory=list)  # seconds inside each lookup call
     blocked_per_step: list[float] = field(default_factory=list)
+    schedule_seconds: list[float] = field(default_factory=list)  # each step's whole schedule() call
     deferred_steps: list[int] = field(default_factory=list)  # per answered request
     answer_delay: list[float] = field(default_factory=list)  # arrival -> answer used, seconds
     prompt_tokens: int = 0
@@ -85,6 +86,9 @@ class SchedRun:
     store_queried_tokens: int = 0
     store_hit_tokens: int = 0
     outcomes: dict[str, int] = field(default_factory=dict)
+    wait_budgets: list[float] = field(default_factory=list)  # ours: each step's wait budget in force, seconds
+    sent_to_collected: list[float] = field(default_factory=list)  # ours: sent -> answer collected, seconds
+    budget_state: dict[str, float | None] = field(default_factory=dict)  # ours: what the wait budget knew at the end
 
     @property
     def reuse_ratio(self) -> float:
@@ -112,9 +116,14 @@ class SchedRun:
             "label": self.label, "requests": self.requests, "finished": self.finished, "steps": self.steps,
             "seconds": self.seconds, "call_us": summary_us(self.calls),
             "blocked_per_step_us": summary_us(self.blocked_per_step),
+            "schedule_us": summary_us(self.schedule_seconds),
             "mean_deferred_steps": self.mean_deferred_steps, "requests_deferred": self.requests_deferred,
             "answer_delay_us": summary_us(self.answer_delay), "reuse_ratio": self.reuse_ratio,
             "store_hit_ratio": self.store_hit_ratio, "outcomes": self.outcomes,
+            "wait_budget_us": summary_us(self.wait_budgets), "sent_to_collected_us": summary_us(self.sent_to_collected),
+            "budget_state": self.budget_state,
+            "steps_without_wait": (sum(1 for b in self.wait_budgets if b <= 0) / len(self.wait_budgets)
+                                   if self.wait_budgets else None),
         }
 
 
@@ -163,11 +172,14 @@ class Workload:
 def run_mode(rig: Rig, workload: Workload, m: Mode, *, arrivals_per_step: int = 4, steps: int | None = 200,
              seconds: float | None = None, model_step_s: float = 0.0015, first_request: int = 0,
              observers: Iterable[LookupObserver] = (), on_step: Callable[[SchedRun], None] | None = None,
-             should_stop: Callable[[], bool] = lambda: False, drain_s: float = 5.0) -> SchedRun:
+             should_stop: Callable[[], bool] = lambda: False, drain_s: float = 5.0, arrival_every: int = 1,
+             num_blocks: int = 16_384, max_model_len: int = 2048) -> SchedRun:
     """Run vLLM's scheduler in mode ``m``: arrivals for ``steps`` steps (or ``seconds``), then drain.
 
-    ``first_request`` offsets into the workload, so runs can use fresh request ids. ``observers`` are
-    attached to our client (ignored for upstream's). ``on_step`` is called after each step (progress).
+    ``arrivals_per_step`` requests arrive before every ``arrival_every``-th step (long prompts arrive
+    less often, so a run stays short). ``first_request`` offsets into the workload, so runs can use
+    fresh request ids. ``observers`` are attached to our client (ignored for upstream's). ``on_step`` is
+    called after each step (progress). ``num_blocks`` and ``max_model_len`` size the scheduler.
     """
     from mooncake_lookout.connector.rigs.scheduler_driver import (
         SchedulerDriver,
@@ -176,10 +188,11 @@ def run_mode(rig: Rig, workload: Workload, m: Mode, *, arrivals_per_step: int = 
 
     extra = rig.scheduler_extra(m.ours, m.transport, **m.extra)
     if m.ours:
-        config = make_vllm_config(extra)
+        config = make_vllm_config(extra, max_model_len=max_model_len)
     else:
-        config = make_vllm_config(extra, connector="MooncakeStoreConnector", module_path=None)
-    driver = SchedulerDriver(config, num_blocks=16_384, model_step_s=model_step_s)
+        config = make_vllm_config(extra, connector="MooncakeStoreConnector", module_path=None,
+                                  max_model_len=max_model_len)
+    driver = SchedulerDriver(config, num_blocks=num_blocks, model_step_s=model_step_s)
     run = SchedRun(m.label)
     counter = TokenTally()
     try:
@@ -197,8 +210,9 @@ def run_mode(rig: Rig, workload: Workload, m: Mode, *, arrivals_per_step: int = 
         next_req = first_request
         t0 = time.perf_counter()
         while run.steps < budget and time.perf_counter() - t0 < limit and not should_stop():
-            batch = [workload.request(k) for k in range(next_req, next_req + arrivals_per_step)]
-            next_req += arrivals_per_step
+            arriving = arrivals_per_step if run.steps % arrival_every == 0 else 0
+            batch = [workload.request(k) for k in range(next_req, next_req + arriving)]
+            next_req += arriving
             for req_id, prompt in batch:
                 driver.add(driver.make_request(req_id, prompt))
                 arrived[req_id] = time.perf_counter()
@@ -218,6 +232,7 @@ def run_mode(rig: Rig, workload: Workload, m: Mode, *, arrivals_per_step: int = 
         run.requests = len(arrived)
         run.finished = len(driver.stats.finished)
         run.calls = probe.calls
+        run.schedule_seconds = list(driver.stats.step_seconds)
         for req_id, t_add in arrived.items():
             if req_id in probe.answered_at:
                 run.deferred_steps.append(probe.deferrals.get(req_id, 0))
@@ -228,6 +243,13 @@ def run_mode(rig: Rig, workload: Workload, m: Mode, *, arrivals_per_step: int = 
                 run.computed_tokens += computed
         run.outcomes = {o.value: n for o, n in counter.outcomes.items() if n}
         run.store_queried_tokens, run.store_hit_tokens = counter.queried_tokens, counter.hit_tokens
+        run.wait_budgets, run.sent_to_collected = counter.wait_budgets, counter.sent_to_collected
+        if m.ours:
+            budget = driver.connector.lookup_client.budget
+            p90 = budget.rtt_p90_s
+            run.budget_state = {"rtt_p90_us": p90 * 1e6 if p90 is not None else None,
+                                "step_interval_us": budget.step_interval_s * 1e6,
+                                "cap_us": budget.share * budget.step_interval_s * 1e6}
     finally:
         if not m.ours:  # upstream's connector never closes its lookup client on the scheduler side
             close_upstream_client(driver.connector.connector_scheduler.client)
@@ -236,17 +258,31 @@ def run_mode(rig: Rig, workload: Workload, m: Mode, *, arrivals_per_step: int = 
 
 
 class TokenTally(OutcomeCounter):
-    """An :class:`OutcomeCounter` that also adds up tokens asked about and tokens found."""
+    """An :class:`OutcomeCounter` that also adds up tokens asked about and tokens found, and keeps each
+    step's wait budget and each lookup's time from sent to answer collected (the round trip when the
+    answer was waited for; up to a step more when it was collected at a later step's drain)."""
 
     def __init__(self) -> None:
         super().__init__(keep=0)
         self.queried_tokens = 0
         self.hit_tokens = 0
+        self.wait_budgets: list[float] = []
+        self.sent_to_collected: list[float] = []
 
     def consumed(self, rec: LookupRecord) -> None:
         super().consumed(rec)
         self.queried_tokens += rec.num_tokens
         self.hit_tokens += rec.hit_tokens
+
+    def answered(self, rec: LookupRecord) -> None:
+        super().answered(rec)
+        if rec.t_start is not None and rec.t_answer is not None:
+            self.sent_to_collected.append(rec.t_answer - rec.t_start)
+
+    def step_ended(self, wait_budget_s: float, held: int, cached_blocks: int,
+                   interval_s: float | None = None) -> None:
+        super().step_ended(wait_budget_s, held, cached_blocks, interval_s)
+        self.wait_budgets.append(wait_budget_s)
 
 
 def _step(driver: Any, probe: CallProbe, run: SchedRun) -> None:

@@ -3,10 +3,13 @@
 A folder holding only a tiny OPT ``config.json`` serves ``ModelConfig`` (no download); the KV cache is a
 single full-attention group; each step's model output is made up (one sampled token per scheduled
 request), which is all the scheduler needs to move requests along. Block hashes are vLLM's own.
+The tiny model takes positions up to :data:`MAX_POSITIONS` (prompts of 4,096 blocks of 16 tokens fit),
+so ``max_model_len`` can be raised for long-prompt runs.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -20,16 +23,23 @@ BLOCK_SIZE = 16
 # the GPU with the GIL released, and a driver that never releases it leaves every other thread of the
 # process (the in-process lookup servers of tests, say) a turn only once per 5 ms switch interval.
 MODEL_STEP_S = 0.0005
+MAX_POSITIONS = 131_072  # the longest prompt the tiny model takes (4,096 blocks of 16 tokens, with room)
 TINY_OPT = {
     "architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 64, "ffn_dim": 128,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 50272, "max_position_embeddings": 2048,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 50272, "max_position_embeddings": MAX_POSITIONS,
     "word_embed_proj_dim": 64, "do_layer_norm_before": True, "torch_dtype": "float32",
 }
 
 
 def tiny_model_dir(root: str | None = None) -> str:
-    """A model folder with only a tiny ``config.json``: enough for ``ModelConfig``, nothing to download."""
-    root = root or os.path.join(tempfile.gettempdir(), f"mooncake-lookout-model-{os.getuid()}")
+    """A model folder with only a tiny ``config.json``: enough for ``ModelConfig``, nothing to download.
+
+    The default folder's name carries a digest of the config, so a folder written by an older config
+    (a shorter ``max_position_embeddings``, say) is never read for this one.
+    """
+    if root is None:
+        digest = hashlib.sha256(json.dumps(TINY_OPT, sort_keys=True).encode()).hexdigest()[:10]
+        root = os.path.join(tempfile.gettempdir(), f"mooncake-lookout-model-{os.getuid()}-{digest}")
     os.makedirs(root, exist_ok=True)
     path = os.path.join(root, "config.json")
     if not os.path.exists(path):
@@ -48,23 +58,28 @@ def _offline_env() -> None:
 def make_vllm_config(extra_config: dict[str, Any], *, connector: str = "LookoutMooncakeStoreConnector",
                      module_path: str | None = "mooncake_lookout.connector.vllm_connector",
                      max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, max_model_len: int = 2048,
-                     kv_role: str = "kv_consumer") -> Any:
+                     kv_role: str = "kv_consumer", model_name: str | None = None,
+                     block_size: int = BLOCK_SIZE) -> Any:
     """A real ``VllmConfig`` for the CPU scheduler with the given connector and extra config.
 
     ``kv_role`` defaults to ``kv_consumer`` and ``load_async`` to false: with no worker here, nothing would
     ever report a save or an asynchronous load done, and upstream's scheduler would keep their requests
-    and blocks parked forever.
+    and blocks parked forever. ``model_name``: the tiny model's folder takes that name (what vLLM's store
+    keys embed: the last part of the model's name or path), e.g. ``Llama-3.1-8B``.
     """
     _offline_env()
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 
-    model = ModelConfig(model=tiny_model_dir(), skip_tokenizer_init=True, max_model_len=max_model_len,
+    path = tiny_model_dir()
+    if model_name is not None:
+        path = tiny_model_dir(os.path.join(path, "named", model_name.rstrip("/").split("/")[-1]))
+    model = ModelConfig(model=path, skip_tokenizer_init=True, max_model_len=max_model_len,
                         dtype="float32", seed=0)
     kv = KVTransferConfig(kv_connector=connector, kv_role=kv_role, kv_connector_module_path=module_path,
                           kv_connector_extra_config={"load_async": False, **extra_config})
     return VllmConfig(
         model_config=model,
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
         scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                          max_model_len=max_model_len, is_encoder_decoder=False),
         device_config=DeviceConfig("cpu"),
@@ -72,12 +87,12 @@ def make_vllm_config(extra_config: dict[str, Any], *, connector: str = "LookoutM
     )
 
 
-def make_kv_cache_config(num_blocks: int) -> Any:
+def make_kv_cache_config(num_blocks: int, block_size: int = BLOCK_SIZE) -> Any:
     """One full-attention KV cache group of ``num_blocks`` blocks (no tensors: the scheduler only counts)."""
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                          kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
 
@@ -186,5 +201,5 @@ class SchedulerDriver:
         self.scheduler.shutdown()
 
 
-__all__ = ["BLOCK_SIZE", "MODEL_STEP_S", "SchedulerDriver", "StepStats", "make_kv_cache_config", "make_vllm_config",
-           "tiny_model_dir"]
+__all__ = ["BLOCK_SIZE", "MAX_POSITIONS", "MODEL_STEP_S", "SchedulerDriver", "StepStats", "make_kv_cache_config",
+           "make_vllm_config", "tiny_model_dir"]

@@ -14,7 +14,10 @@ One child serves one or more transports over one
 * ``upstream``: vLLM 0.33's real ``LookupKeyServer`` (via :mod:`.vllm_lookup_server`), bound where vLLM binds
   it: ``ipc://{VLLM_RPC_BASE_PATH}/lookup_rpc_port_{port}_host_..._dp_rank0``.
 
-The index sits behind an :class:`~.faults.InjectedDelayBackend` (off unless asked for). The child is this
+The index sits behind an :class:`~.faults.InjectedDelayBackend` (off unless asked for). With a
+:class:`~.vllm_layout.Layout` the child serves a vLLM deployment's keys instead: both servers answer from
+upstream's own ``MooncakeStoreWorker`` for that layout, over a lookup-only store client wrapped in a
+:class:`~.vllm_layout.ReadOnlyStore` (nothing it does can write or wipe a key). The child is this
 module run as a script; it prints ``listening on NAME=ADDRESS ...`` once it serves, ``delay on`` /
 ``delay off`` after SIGUSR1 / SIGUSR2, and stops on SIGTERM or SIGINT.
 """
@@ -62,6 +65,9 @@ class ServerProcess:
     ``store_rpc_timeout_ms`` bounds one store call in the child when the master stalls (None: Mooncake's
     30 s). ``start_timeout_s`` bounds the wait for the ready line (an upstream child imports vLLM: 10-15 s).
 
+    ``layout`` (a :class:`~.vllm_layout.Layout`, block size from ``block_size``): answer for a vLLM
+    deployment's keys from upstream's own worker, through a read-only store client; no injected delay.
+
     ``standby``: keep the next child already spawned and imported, waiting for a word on stdin, so a
     restart costs a bind (~0.1 s) instead of an interpreter and a vLLM import. What a restart measures
     is then the client's recovery, not Python's start-up.
@@ -75,7 +81,7 @@ class ServerProcess:
                  rpc_port: int = 0, rpc_base_path: str | None = None, block_size: int = 16,
                  delay_ms: float = 0.0, delay_on: bool = False, reset_delay_ms: float = 0.0,
                  store_rpc_timeout_ms: int | None = 1000, start_timeout_s: float = 90.0,
-                 standby: bool = True) -> None:
+                 standby: bool = True, layout: Any = None) -> None:
         self.transports = (transports,) if isinstance(transports, str) else tuple(transports)
         unknown = [t for t in self.transports if t not in TRANSPORTS]
         if unknown or not self.transports:
@@ -92,6 +98,7 @@ class ServerProcess:
         self.store_rpc_timeout_ms = store_rpc_timeout_ms
         self.start_timeout_s = start_timeout_s
         self.use_standby = standby
+        self.layout = layout  # a vllm_layout.Layout: serve a vLLM deployment's keys, read-only
         self.starts = 0
         self.start_seconds: list[float] = []  # from the start call (or the standby's go) until serving
         self._own_dir: str | None = None
@@ -139,6 +146,9 @@ class ServerProcess:
             argv += ["--store-rpc-timeout-ms", str(self.store_rpc_timeout_ms)]
         if self.delay_on:
             argv.append("--delay-on")
+        if self.layout is not None:
+            argv += ["--vllm-model", self.layout.model, "--cache-prefix", self.layout.cache_prefix,
+                     "--tp-size", str(self.layout.tp_size)]
         if standby:
             argv.append("--wait-go")
         if PIPELINED in self.transports:
@@ -254,22 +264,29 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--delay-on", action="store_true", help="inject the delay from the start")
     p.add_argument("--store-rpc-timeout-ms", type=int, default=None)
     p.add_argument("--reset-delay-ms", type=float, default=0.0, help="INJECTED delay before each wipe")
+    p.add_argument("--vllm-model", default=None,
+                   help="serve a vLLM deployment's keys for this model (read-only store client)")
+    p.add_argument("--cache-prefix", default="", help="with --vllm-model: vLLM's cache_prefix")
+    p.add_argument("--tp-size", type=int, default=1, help="with --vllm-model: the tensor-parallel size")
     p.add_argument("--wait-go", action="store_true",
                    help="standby: import everything, print 'ready', then wait for a line on stdin before serving")
     return p.parse_args(argv)
 
 
-def _start_servers(args: argparse.Namespace, backend: Any) -> dict[str, Any]:
-    """Bind every server asked for; returns them by transport name."""
+def _start_servers(args: argparse.Namespace, backend: Any, worker: Any = None) -> dict[str, Any]:
+    """Bind every server asked for; returns them by transport name. ``worker``: vLLM's own store worker,
+    which vLLM's server then answers from (else ``backend``, a prefix index)."""
     from mooncake_lookout.connector.server import LookupServer
 
     servers: dict[str, Any] = {}
     if UPSTREAM in args.serve:
         from mooncake_lookout.connector.rigs.vllm_lookup_server import UpstreamLookupServer, lookup_vllm_config
 
-        servers[UPSTREAM] = UpstreamLookupServer(backend, lookup_vllm_config(args.rpc_port)).start()
+        index = None if worker is not None else backend
+        servers[UPSTREAM] = UpstreamLookupServer(index, lookup_vllm_config(args.rpc_port), worker=worker).start()
     if PIPELINED in args.serve:
-        servers[PIPELINED] = LookupServer(backend, args.address or None).start()
+        # Over a deployment's store (``worker``) the server keeps no epoch marker: it would be a write.
+        servers[PIPELINED] = LookupServer(backend, args.address or None, marker=worker is None).start()
     return servers
 
 
@@ -293,8 +310,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     store = open_store(args.master, rpc_timeout_ms=args.store_rpc_timeout_ms)
-    backend = InjectedDelayBackend(PrefixIndex(store, args.block_size, args.namespace), args.delay_ms / 1000.0,
-                                   enabled=args.delay_on, reset_delay_s=args.reset_delay_ms / 1000.0)
+    worker = None
+    if args.vllm_model is not None:
+        from mooncake_lookout.connector.rigs.vllm_layout import Layout, ReadOnlyStore, layout_worker
+        from mooncake_lookout.connector.server.worker_backend import WorkerBackend
+
+        layout = Layout(args.vllm_model, args.cache_prefix, args.tp_size, args.block_size)
+        worker = layout_worker(ReadOnlyStore(store), layout)
+        backend: Any = WorkerBackend(worker)
+    else:
+        backend = InjectedDelayBackend(PrefixIndex(store, args.block_size, args.namespace), args.delay_ms / 1000.0,
+                                       enabled=args.delay_on, reset_delay_s=args.reset_delay_ms / 1000.0)
 
     def switch(on: bool) -> None:
         backend.enabled = on
@@ -302,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(DELAY_ON_SIGNAL, lambda *_: switch(True))
     signal.signal(DELAY_OFF_SIGNAL, lambda *_: switch(False))
-    servers = _start_servers(args, backend)
+    servers = _start_servers(args, backend, worker)
     print(READY_PREFIX + " ".join(f"{name}={server.address}" for name, server in servers.items()), flush=True)
     try:
         while not stop.wait(0.5):

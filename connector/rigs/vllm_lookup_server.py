@@ -114,14 +114,20 @@ def lookup_vllm_config(lookup_rpc_port: int = 0, *, data_parallel_index: int = 0
 
 
 class UpstreamLookupServer:
-    """vLLM's real ``LookupKeyServer`` over a prefix index, started and stopped cleanly.
+    """vLLM's real ``LookupKeyServer`` over a prefix index (or a given ``worker``: upstream's own
+    ``MooncakeStoreWorker``, say), started and stopped cleanly.
 
     Use as a context manager; ``address`` is the ``ipc://`` path a ``LookupKeyClient`` built from the
     same ``vllm_config`` (and the same ``VLLM_RPC_BASE_PATH``) connects to.
     """
 
-    def __init__(self, index: PrefixIndex, vllm_config: VllmConfig, on_store_error: str = "miss") -> None:
-        self.worker = PrefixIndexStoreWorker(index, on_store_error)
+    def __init__(self, index: PrefixIndex | None, vllm_config: VllmConfig, on_store_error: str = "miss", *,
+                 worker: Any = None) -> None:
+        if worker is None:
+            if index is None:
+                raise ValueError("give a prefix index or a worker")
+            worker = PrefixIndexStoreWorker(index, on_store_error)
+        self.worker = worker  # what vLLM's server calls: ``lookup``, ``kv_send_thread``, ``store.remove_all``
         self.vllm_config = vllm_config
         self.address = get_zmq_rpc_path_lookup(vllm_config)
         self.server: LookupKeyServer | None = None

@@ -1,0 +1,178 @@
+"""The bench's text report, block by block: one function per scenario, shared by ``bench`` and ``bench --master``."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b``, or None when either is missing, NaN or ``b`` is zero."""
+    if a is None or b is None or not b or math.isnan(a) or math.isnan(b):
+        return None
+    return a / b
+
+
+def fmt(v: Any, digits: int = 1) -> str:
+    """A figure for the table: ``-`` for missing or NaN, ``digits`` decimals for floats."""
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "-"
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def floors_block(r: dict[str, Any]) -> list[str]:
+    """The two floors, p50 and p99."""
+    fl = r["floors"]
+    return ["floors (no client library; measured within (a)), us",
+            f"  round-trip floor (DEALER -> ROUTER child, one batch_is_exist)  p50 {fmt(fl['round_trip_us']['p50'])}"
+            f"  p99 {fmt(fl['round_trip_us']['p99'])}",
+            f"  touch floor (one send + one drain of an arrived reply)       p50 {fmt(fl['touch_us']['p50'])}"
+            f"  p99 {fmt(fl['touch_us']['p99'])}"]
+
+
+def a_block(r: dict[str, Any]) -> list[str]:
+    """Scenario (a): one lookup call per client, sync and async."""
+    lines = ["(a) scheduler-path cost of one lookup call, us (ours with metrics+spans on; one lookup per step)",
+             f"  {'client':26} {'sync p50':>9} {'sync p99':>9} {'async 1st p50':>14} {'async/lookup p50':>17} "
+             f"{'x upstream':>10}"]
+    base = r["a"]["upstream"]["async_per_lookup_us"]["p50"] if "upstream" in r["a"] else None
+    for name, v in r["a"].items():
+        lines.append(f"  {name:26} {fmt(v['sync_call_us']['p50']):>9} {fmt(v['sync_call_us']['p99']):>9} "
+                     f"{fmt(v['async_first_call_us']['p50']):>14} {fmt(v['async_per_lookup_us']['p50']):>17} "
+                     f"{fmt(ratio(v['async_per_lookup_us']['p50'], base), 2):>10}")
+    return lines
+
+
+def a4_block(r: dict[str, Any]) -> list[str]:
+    """Scenario (a4): cost per lookup for each k, per client, and ours / upstream."""
+    a4 = r["a4"]
+    ks = a4["ks"]
+    lines = [f"(a4) k lookups arriving in one step, polled once per step ({a4['step_ms']:g} ms) until answered: "
+             "cost per lookup on the scheduler's thread, p50 us (mean steps to answer)",
+             f"  {'client':26} " + " ".join(f"{'k=' + str(k):>16}" for k in ks)]
+    for name, per_k in a4["clients"].items():
+        lines.append(f"  {name:26} " + " ".join(
+            f"{fmt(per_k[str(k)]['per_lookup_us']['p50']):>9} ({per_k[str(k)]['mean_steps']:4.1f})" for k in ks))
+    up, ours = a4["clients"].get("upstream"), a4["clients"].get("ours/pipelined")
+    if up is None or ours is None:
+        return lines
+    lines.append(f"  {'ours / upstream':26} " + " ".join(
+        f"{fmt(ratio(ours[str(k)]['per_lookup_us']['p50'], up[str(k)]['per_lookup_us']['p50']), 2):>16}" for k in ks))
+    return lines
+
+
+def c_block(r: dict[str, Any]) -> list[str]:
+    """Scenario (c): vLLM's scheduler, one line per lookup mode."""
+    c = r["c"]
+    lines = [f"(c) vLLM's scheduler, {c['steps']} steps, {c['arrivals_per_step']} arrivals/step, "
+             f"model step {c['model_step_ms']} ms",
+             f"  {'mode':34} {'call p50':>8} {'call p99':>8} {'call max':>8} {'blocked/step':>12} "
+             f"{'deferred/req':>12} {'% deferred':>10} {'answer p50 ms':>13} {'reuse':>6}"]
+    for m in c["modes"]:
+        lines.append(f"  {m['label']:34} {fmt(m['call_us'].get('p50')):>8} {fmt(m['call_us'].get('p99')):>8} "
+                     f"{fmt(m['call_us'].get('max')):>8} {fmt(m['blocked_per_step_us'].get('mean')):>12} "
+                     f"{m['mean_deferred_steps']:12.2f} {100 * m['requests_deferred']:10.0f} "
+                     f"{fmt(m['answer_delay_us'].get('p50', 0) / 1e3, 2):>13} {m['reuse_ratio']:6.2f}")
+    for m in c["modes"]:
+        budget, collected, state = m.get("wait_budget_us", {}), m.get("sent_to_collected_us", {}), m.get("budget_state")
+        if "budget" in m["label"] and budget.get("n"):
+            lines.append(f"  {m['label']}: wait budget in force p50 {fmt(budget['p50'])} us, "
+                         f"mean {fmt(budget['mean'])} us, {100 * (m['steps_without_wait'] or 0):.0f}% of steps "
+                         f"without a wait; sent -> answer collected p50 {fmt(collected.get('p50'))} "
+                         f"p90 {fmt(collected.get('p90'))} us")
+        if "auto" in m["label"] and state:
+            lines.append(f"    at the end: measured round trip p90 {fmt(state['rtt_p90_us'])} us, step interval "
+                         f"{fmt(state['step_interval_us'])} us, cap {fmt(state['cap_us'])} us")
+    return lines
+
+
+def d_block(r: dict[str, Any]) -> list[str]:
+    """Scenario (d): what metrics and spans add."""
+    d = r["d"]
+    return ["(d) instrumentation: blocking lookup end to end, us",
+            f"  on  p50 {fmt(d['on_us']['p50'])}  mean {fmt(d['on_us']['mean'])}",
+            f"  off p50 {fmt(d['off_us']['p50'])}  mean {fmt(d['off_us']['mean'])}",
+            f"  added by both: median {100 * d['median_overhead']:+.1f}%, mean {100 * d['mean_overhead']:+.1f}%",
+            f"  metrics only: median {100 * d['metrics_median_overhead']:+.1f}%; spans only: median "
+            f"{100 * d['spans_median_overhead']:+.1f}%"]
+
+
+def e_block(r: dict[str, Any]) -> list[str]:
+    """Scenario (e): the store slowed, then stopped."""
+    e = r["e"]
+    lines = ["(e) store slowed (master frozen 20 ms of every 40 ms): us"]
+    for name, v in e["slowed"].items():
+        lines.append(f"  {name:22} sync call p50 {fmt(v['sync_call_us']['p50'])} p99 {fmt(v['sync_call_us']['p99'])} "
+                     f"max {fmt(v['sync_call_us']['max'])}; hits {v['sync_hits']}/{v['sync_answers']}; "
+                     f"async per lookup p99 {fmt(v['async_per_lookup_us']['p99'])}")
+    lines.append(f"    store stopped (master frozen), one blocking call, bounded wait {e['stopped']['wait_s']} s:")
+    for name, v in e["stopped"].items():
+        if not isinstance(v, dict):
+            continue
+        if v.get("blocked_s") is None:
+            lines.append(f"  {name:22} blocked > {v['still_blocked_after_s']} s (still blocked); returned "
+                         f"{fmt(v.get('returned_after_resume_s'), 2)} s after the master was thawed")
+        else:
+            lines.append(f"  {name:22} blocked {v['blocked_s'] * 1e3:.1f} ms, answered {v['hit_tokens']} hit tokens")
+    return lines
+
+
+def f_block(r: dict[str, Any]) -> list[str]:
+    """Scenario (f): the whole prompt-length curve of both clients."""
+    lines = ["(f) prompt length through vLLM's scheduler, both async (model step 1.5 ms): per-call cost us, "
+             "mean schedule() us per step, answer p50 ms",
+             f"  {'blocks':>6} {'requests':>8} {'client':16} {'call p50':>9} {'call mean':>9} {'call p99':>9} "
+             f"{'schedule()':>10} {'answer ms':>9} {'deferred':>8} {'x upstream':>10}"]
+    for length in r["f"]["lengths"]:
+        up = length["modes"]["upstream async"]["schedule_us"]["mean"]
+        for label, m in length["modes"].items():
+            lines.append(f"  {length['blocks']:>6} {m['requests']:>8} {label:16} {fmt(m['call_us'].get('p50')):>9} "
+                         f"{fmt(m['call_us'].get('mean')):>9} {fmt(m['call_us'].get('p99')):>9} "
+                         f"{fmt(m['schedule_us'].get('mean')):>10} "
+                         f"{fmt(m['answer_delay_us'].get('p50', 0) / 1e3, 2):>9} "
+                         f"{m['mean_deferred_steps']:8.2f} {fmt(ratio(m['schedule_us'].get('mean'), up), 2):>10}")
+    return lines
+
+
+def b_block(r: dict[str, Any]) -> list[str]:
+    """Scenario (b): time until every answer of a burst is ready, per client."""
+    b = r["b"]
+    base = b["upstream"]["seconds"] if "upstream" in b else None
+    lines = [f"(b) burst of {b['n']} new requests: time until every answer is ready"]
+    for name, v in b.items():
+        if isinstance(v, dict):
+            lines.append(f"  {name:26} {v['seconds'] * 1e3:8.1f} ms  {v['steps']:5.0f} steps  "
+                         f"hit tokens {v['hit_tokens']}  x upstream {fmt(ratio(v['seconds'], base), 2)}")
+    return lines
+
+
+def backends_block(r: dict[str, Any]) -> list[str]:
+    """The server's side: one lookup per backend, in-process, and our in-vLLM backend / upstream's."""
+    lines = ["server side: one lookup of a cold prompt, in-process, p50 us (keys no store holds)",
+             f"  {'blocks':>6} {'keys':>5} {'batch_is_exist':>14} {'PrefixIndex':>11} {'upstream worker':>15} "
+             f"{'WorkerBackend':>13} {'ours / upstream (in vLLM)':>25}"]
+    for n, v in r["backends"].items():
+        lines.append(f"  {n:>6} {v['keys']:>5} {fmt(v['batch_is_exist']['p50']):>14} "
+                     f"{fmt(v['prefix_index']['p50']):>11} {fmt(v['upstream_worker']['p50']):>15} "
+                     f"{fmt(v['worker_backend']['p50']):>13} "
+                     f"{fmt(ratio(v['worker_backend']['p50'], v['upstream_worker']['p50']), 2):>25}")
+    return lines
+
+
+def targets_block(entries: list[dict[str, Any]]) -> list[str]:
+    """The targets, one line each."""
+    lines = ["targets (ratio = ours / reference; met when within the bound):"]
+    for t in entries:
+        ref = t.get("upstream", t.get("floor"))
+        lines.append(f"  ({t['id']}) {t['what']}: ours {fmt(t['ours'], 2)} vs {fmt(ref, 2)} {t['unit']} "
+                     f"({t['vs']}), ratio {fmt(t['ratio'], 2)} [{t['bound']}] -> {'met' if t['met'] else 'MISSED'}")
+    return lines
+
+
+
+__all__ = ["a4_block", "a_block", "b_block", "backends_block", "c_block", "d_block", "e_block", "f_block",
+           "floors_block", "fmt", "ratio", "targets_block"]
