@@ -108,3 +108,25 @@ def test_no_doc_names_a_path_of_the_development_machine(path: Path) -> None:
     text = path.read_text()
     for pattern in (r"/work/", r"/root/", r"/home/\w+", r"/opt/wheels", r"pytest-of-"):
         assert not re.search(pattern, text), (path.name, pattern)
+
+
+def test_every_chart_value_the_operations_doc_names_exists() -> None:
+    """Backticked dotted chart keys in docs/operations.md exist in values.yaml (a free-form object, such as
+    ``engine.connector.extraConfig``, takes any key below it)."""
+    import chart  # helm/tools/chart.py (conftest puts helm/tools on sys.path)
+
+    values = chart.load_values()
+    text = (ROOT / "docs" / "operations.md").read_text()
+    named = set(re.findall(r"`((?:engine|master|store|monitoring|networkPolicy)(?:\.[A-Za-z0-9_]+)+)", text))
+    assert len(named) >= 8
+    missing = []
+    for key in sorted(named):
+        node = values
+        for part in key.split("."):
+            if isinstance(node, dict) and node == {}:
+                break  # free-form: anything below is the user's
+            if not isinstance(node, dict) or part not in node:
+                missing.append(key)
+                break
+            node = node[part]
+    assert missing == []
