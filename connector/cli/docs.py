@@ -240,8 +240,8 @@ def render_demo_help() -> str:
 
 def render_vllm_versions() -> str:
     """The README's line on the vLLM versions the connector accepts at start-up."""
-    return (f"Supported vLLM: **{supported_range()}** (the versions the test suite runs against; the connector "
-            "refuses any other at start-up, in one line naming this range).\n")
+    return (f"Supported vLLM: **{supported_range()}**, what the test suite runs against: the connector refuses any "
+            "other version when vLLM loads it, in one line naming the supported ones.\n")
 
 
 # -- the blocks ------------------------------------------------------------------------------------------------
