@@ -9,21 +9,30 @@ Enable it in ``vllm serve`` either by module path::
 or, with this package installed, by name alone (its ``vllm.general_plugins`` entry point registers it).
 
 The scheduler role runs :class:`LookoutMooncakeStoreScheduler`; the worker role keeps upstream's data
-path untouched and, with ``lookup_transport: pipelined``, also serves our lookup server on rank 0.
+path untouched and, with ``lookup_transport: pipelined``, also serves our lookup server on rank 0, beside
+upstream's own. Importing this module checks the vLLM version first (:mod:`.vllm_version`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import MooncakeStoreConnector
+from mooncake_lookout.connector.vllm_version import require_supported_vllm
 
-from mooncake_lookout.connector.config import LookupConfig
-from mooncake_lookout.connector.plugin import CONNECTOR_NAME
-from mooncake_lookout.connector.scheduler_adapter import LookoutMooncakeStoreScheduler, retire_upstream_client
-from mooncake_lookout.connector.server.worker_backend import serve_pipelined
-from mooncake_lookout.connector.transport.names import PIPELINED
+# Before any of vLLM's internals is touched: a vLLM this package was not tested with fails here, in one line.
+require_supported_vllm()
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import MooncakeStoreConnector  # noqa: E402
+
+from mooncake_lookout.connector.config import LookupConfig  # noqa: E402
+from mooncake_lookout.connector.plugin import CONNECTOR_NAME  # noqa: E402
+from mooncake_lookout.connector.scheduler_adapter import (  # noqa: E402
+    LookoutMooncakeStoreScheduler,
+    retire_upstream_client,
+)
+from mooncake_lookout.connector.server.worker_backend import serve_pipelined  # noqa: E402
+from mooncake_lookout.connector.transport.names import PIPELINED  # noqa: E402
 
 
 class LookoutMooncakeStoreConnector(MooncakeStoreConnector):

@@ -15,7 +15,7 @@ ARG MOONCAKE_VERSION=0.3.13.post1
 # Stage 1: build mooncake-lookout's wheel from the source tree (pure Python, no dependencies installed).
 FROM python:3.11-slim AS wheel
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY connector ./connector
 COPY metrics ./metrics
 RUN python -m pip wheel --no-cache-dir --no-deps --wheel-dir /dist .

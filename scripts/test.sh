@@ -2,6 +2,20 @@
 # The README's test command: install everything (idempotent), then run the whole suite.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
+case "${1:-}" in
+  -h|--help)
+    cat <<'USAGE'
+usage: bash scripts/test.sh [PYTEST ARGS...]
+
+Installs everything on its first run (bash scripts/setup.sh: the Debian packages as root, a .venv with vLLM's
+CPU recipe and the Mooncake wheel, helm; later runs skip what is done), then runs the whole suite with
+pytest -q -rfE. Arguments go to pytest, e.g.:
+  bash scripts/test.sh tests/test_cli.py -k serve
+CI runs exactly this (.ci/run), as root, with no GPU. pytest's own options: .venv/bin/python -m pytest --help.
+--help prints this and installs nothing.
+USAGE
+    exit 0 ;;
+esac
 cd "$here"
 bash scripts/setup.sh
 export PATH="$here/.tools:$here/.venv/bin:$PATH"

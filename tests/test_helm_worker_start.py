@@ -236,6 +236,13 @@ def test_value_set_starts_the_engines_lookup_path(started, name):
         assert st.st_uid == started["uid"] and stat.S_IMODE(st.st_mode) == 0o700
 
 
+def test_every_file_of_ci_is_a_value_set_this_test_starts():
+    """A value set is found by its name (``*-values.yaml``): a file of ci/ named otherwise would go unstarted."""
+    files = {p.name for p in chart.CI_VALUES.iterdir() if p.is_file()}
+    assert files == {p.name for p in chart.ci_value_sets().values()}
+    assert set(chart.ci_value_sets()) <= set(VALUE_SETS)
+
+
 def test_every_pipelined_set_is_covered():
     """The sets that select the pipelined transport, including the default values once it is the default."""
     pipelined = set()

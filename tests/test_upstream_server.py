@@ -25,7 +25,7 @@ TIMEOUT_MS = 5000
 
 
 class Req:
-    """A plain REQ socket speaking the upstream lookup channel's frames (ANCHORS §1), with a deadline."""
+    """A plain REQ socket speaking the upstream lookup channel's frames (docs/protocol.md), with a deadline."""
 
     def __init__(self, address: str) -> None:
         self.ctx = zmq.Context()

@@ -7,7 +7,11 @@ this module rewrites each (or, with ``--check``, lists the stale ones and exits 
 * ``metrics-table`` (README, docs/metrics.md): the metric families, from the catalogue;
 * ``values-table`` (docs/helm.md): the chart's values, from ``helm/mooncake-lookout/values.schema.json``;
 * ``package-graph`` (docs/architecture.md): a Mermaid picture of which package imports which, read from
-  the real imports of the source.
+  the real imports of the source;
+* ``vllm-versions`` (README): the vLLM versions the runtime accepts, from
+  :data:`~mooncake_lookout.connector.vllm_version.SUPPORTED_VLLM_VERSIONS`;
+* ``scripts/demo-help.txt`` (a whole file): what ``bash scripts/demo.sh --help`` prints without installing
+  anything, from the ``demo`` subcommand's parser.
 
 Tests run ``--check``, so a block that drifts from its source fails the suite.
 """
@@ -24,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from mooncake_lookout.connector.config import KEYS
+from mooncake_lookout.connector.vllm_version import supported_range
 from mooncake_lookout.metrics import catalogue
 from mooncake_lookout.metrics.catalogue import CATALOGUE, SECONDS_BUCKETS, MetricSpec
 
@@ -195,6 +200,50 @@ def render_package_graph(edges: set[tuple[str, str]] | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+# -- the scripts' help and the supported vLLM ------------------------------------------------------------------
+
+DEMO_SCRIPT_INTRO = """\
+usage: bash scripts/demo.sh [FLAGS]
+
+Installs everything on its first run (bash scripts/setup.sh: the Debian packages as root, a .venv with vLLM's
+CPU recipe and the Mooncake wheel, helm; later runs skip what is done), then runs `mooncake-lookout demo`:
+a real Mooncake master on 127.0.0.1, vLLM's real V1 scheduler with this connector, lookups in three modes
+(sync, async, budget), /metrics on 127.0.0.1 while it runs, and a table of the three modes at the end.
+--help prints this and installs nothing.
+"""
+
+
+def render_flags(parser: argparse.ArgumentParser) -> str:
+    """A parser's flags, one paragraph each, in a layout that does not depend on the terminal or Python version."""
+    lines = []
+    for action in parser._actions:
+        if not action.option_strings or isinstance(action, argparse._HelpAction):
+            continue
+        takes = action.nargs != 0
+        value = ""
+        if takes:
+            value = " {" + ",".join(map(str, action.choices)) + "}" if action.choices else \
+                " " + (action.metavar or action.dest.upper())
+        lines.append("  " + ", ".join(action.option_strings) + value)
+        lines.append("      " + (action.help or "").replace("%%", "%"))
+    return "\n".join(lines) + "\n"
+
+
+def render_demo_help() -> str:
+    """What ``bash scripts/demo.sh --help`` prints: the script's intro, then the flags of ``mooncake-lookout demo``."""
+    from mooncake_lookout.connector.cli import build_parser
+
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return DEMO_SCRIPT_INTRO + "\nFlags (passed to mooncake-lookout demo):\n" + render_flags(subparsers.choices["demo"])
+
+
+def render_vllm_versions() -> str:
+    """The README's line on the vLLM versions the connector accepts at start-up."""
+    return (f"Supported vLLM: **{supported_range()}**, what the test suite runs against: the connector refuses any "
+            "other version when vLLM loads it, in one line naming the supported ones.\n")
+
+
 # -- the blocks ------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -202,7 +251,7 @@ class Block:
     """One generated block: the file (relative to the repository root), the marker name and its renderer."""
 
     path: str
-    name: str
+    name: str  # "" for a whole generated file
     render: Callable[[Path], str]  # the repository root -> the block's body
 
 
@@ -213,6 +262,8 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/helm.md", "values-table",
           lambda root: render_values_table(json.loads((root / VALUES_SCHEMA).read_text()))),
     Block("docs/architecture.md", "package-graph", lambda root: render_package_graph()),
+    Block("README.md", "vllm-versions", lambda root: render_vllm_versions()),
+    Block("scripts/demo-help.txt", "", lambda root: render_demo_help()),
 )
 
 
@@ -221,13 +272,18 @@ def stale_blocks(root: Path = REPO_ROOT, *, write: bool = False) -> list[str]:
     stale = []
     for block in BLOCKS:
         path = root / block.path
-        text = path.read_text()
         body = block.render(root)
+        if not block.name:  # a whole generated file
+            if not path.exists() or path.read_text() != body:
+                stale.append(block.path)
+                if write:
+                    path.write_text(body)
+            continue
+        text = path.read_text()
         if extract(text, block.name) != body.strip("\n") + "\n":
             stale.append(f"{block.path}: {block.name}")
             if write:
                 path.write_text(splice(text, block.name, body))
-                text = path.read_text()
     return stale
 
 
@@ -247,8 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["BLOCKS", "Block", "extract", "main", "package_edges", "render_config_table", "render_metrics_table",
-           "render_package_graph", "render_values_table", "schema_leaves", "splice", "stale_blocks"]
+__all__ = ["BLOCKS", "Block", "extract", "main", "package_edges", "render_config_table", "render_demo_help",
+           "render_flags", "render_metrics_table", "render_package_graph", "render_values_table",
+           "render_vllm_versions", "schema_leaves", "splice", "stale_blocks"]
 
 if __name__ == "__main__":
     sys.exit(main())

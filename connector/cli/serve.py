@@ -17,6 +17,12 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from mooncake_lookout.connector.cli.serve_vllm_layout import (
+    LayoutError,
+    add_vllm_layout_arguments,
+    read_layout,
+    vllm_layout_backend,
+)
 from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.server.observer import ServerObserver
 
@@ -27,7 +33,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``serve`` subcommand to an ``argparse`` subparsers object; returns its parser."""
     p = subparsers.add_parser("serve", help="run a standalone lookup server over a Mooncake store",
                               description=__doc__.split("\n\n")[0])
-    src = p.add_mutually_exclusive_group(required=True)
+    src = p.add_mutually_exclusive_group()  # one is needed, unless --vllm-layout reads it from mooncake.json
     src.add_argument("--master", metavar="HOST:PORT", help="address of a running Mooncake master")
     src.add_argument("--embedded-master", action="store_true",
                      help="start a Mooncake master on 127.0.0.1 for this server (demo, tests)")
@@ -44,6 +50,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="the clients' lookup_answer_ttl_ms: clients may cache found blocks once the master's key "
                         f"lease is known to cover it (default {ttl:g}; 0: no store epoch, clients cache nothing)")
     p.add_argument("--log-level", default="INFO", help="Python log level (default INFO)")
+    add_vllm_layout_arguments(p)
     p.set_defaults(func=run_serve)
     return p
 
@@ -83,17 +90,23 @@ def run_serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     with contextlib.ExitStack() as stack:
         try:
+            layout = read_layout(args) if args.vllm_layout else None
             if args.embedded_master:
                 master_address = stack.enter_context(EmbeddedMaster()).rpc_address
                 logger.info("embedded Mooncake master on %s", master_address)
             else:
-                master_address = args.master
-            store = open_store(master_address, local_buffer_size=MARKER_LOCAL_BUFFER)  # it puts its marker
-        except MasterError as e:
+                master_address = args.master or (layout.master if layout else None)
+            if not master_address:
+                raise LayoutError("give --master HOST:PORT or --embedded-master (with --vllm-layout, "
+                                  "--mooncake-config may name the master)")
+            store = open_store(master_address, local_buffer_size=MARKER_LOCAL_BUFFER,  # it puts its marker
+                               tenant_id=layout.tenant_id if layout else None)
+            stack.callback(store.close)
+            backend = (vllm_layout_backend(layout, store, stack) if layout
+                       else PrefixIndex(store, args.block_size, args.namespace))
+        except (MasterError, LayoutError) as e:
             print(f"mooncake-lookout serve: {e}", file=sys.stderr)
             return 2
-        stack.callback(store.close)
-        backend = PrefixIndex(store, args.block_size, args.namespace)
         window_s = args.lease_window_ms / 1000
         server = stack.enter_context(LookupServer(backend, _listen_address(args), marker=window_s > 0,
                                                   lease_window_s=window_s,

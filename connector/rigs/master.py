@@ -6,7 +6,7 @@ answers, and stops it by pid. It can also pause (SIGSTOP) and restart the master
 which is how fault tests produce real store errors and real reconnects. Clients to it are opened with
 :mod:`mooncake_lookout.connector.server.store`.
 
-Facts this relies on (measured here, see ANCHORS §3): the master is up in ~0.1 s; with the master
+Facts this relies on (measured with Mooncake 0.3.13): the master is up in ~0.1 s; with the master
 paused, a call fails with -901 after ``MC_RPC_TIMEOUT_MS``; with it killed, the first call fails fast
 with -900 and later ones block ~4 s.
 """

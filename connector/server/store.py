@@ -3,7 +3,7 @@
 :func:`open_store` opens a real ``MooncakeDistributedStore`` client against a master's ``host:port``.
 Mooncake reads its ``MC_*`` environment variables when a client is set up, so the options here are
 applied around ``setup()`` (which makes :func:`open_store` unsafe to call from two threads at once).
-Facts this relies on (measured here, see ANCHORS §3): sizes 0/0 give a lookup-only client; a writer needs a
+Facts this relies on (measured with Mooncake 0.3.13): sizes 0/0 give a lookup-only client; a writer needs a
 global segment (to hold values) and a local buffer (to stage puts); ``setup()`` with no master retries for
 ~90 s unless ``MC_STORE_CLIENT_SETUP_RETRIES`` is small.
 
@@ -65,7 +65,7 @@ def _env(overrides: dict[str, str]) -> Iterator[None]:
 
 def open_store(rpc_address: str, *, global_segment_size: int = 0, local_buffer_size: int = 0,
                setup_retries: int = 2, rpc_timeout_ms: int | None = None,
-               local_hostname: str = "127.0.0.1") -> Any:
+               local_hostname: str = "127.0.0.1", tenant_id: str | None = None) -> Any:
     """Open a real ``MooncakeDistributedStore`` client on ``rpc_address`` (``host:port``).
 
     Sizes 0/0 (the default) give a lookup-only client; :func:`open_writer_store` gives one that can
@@ -73,7 +73,8 @@ def open_store(rpc_address: str, *, global_segment_size: int = 0, local_buffer_s
     when the master is down (Mooncake's default makes a dead master cost ~90 s). ``rpc_timeout_ms`` is
     ``MC_RPC_TIMEOUT_MS`` for this client (None keeps Mooncake's 30 s): a stalled master then fails a
     call with -901 after that long. ``MC_TCP_BIND_ADDRESS`` is set to ``local_hostname`` unless the
-    caller set it; Mooncake 0.3.13 still opens its handshake and RPC ports on all interfaces.
+    caller set it; Mooncake 0.3.13 still opens its handshake and RPC ports on all interfaces. ``tenant_id``
+    is Mooncake's tenant (``mooncake.json``'s ``tenant_id``; None: Mooncake's default tenant).
     Raises :class:`MasterError` if ``setup()`` fails. Not thread-safe (it sets environment variables).
     """
     if setup_retries < 1:
@@ -88,7 +89,7 @@ def open_store(rpc_address: str, *, global_segment_size: int = 0, local_buffer_s
     store = store_cls()
     with _env(overrides):
         code = store.setup(local_hostname, "P2PHANDSHAKE", global_segment_size, local_buffer_size,
-                           "tcp", "", rpc_address)
+                           "tcp", "", rpc_address, **({"tenant_id": tenant_id} if tenant_id else {}))
     if code != 0:
         raise MasterError(f"MooncakeDistributedStore.setup(master={rpc_address}) failed with code {code}; "
                           "is the master running and reachable?")
