@@ -45,6 +45,7 @@ from mooncake_lookout.connector.wire import pipelined as protocol
 from mooncake_lookout.connector.wire import upstream as upstream_wire
 
 logger = logging.getLogger(__name__)
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: pyzmq's enums cost ~1 us per operation
 
 # ZMQ drops (and disconnects) a peer sending a message above this: a memory guard well above the limits
 # the protocol answers with an error (MAX_BODY_BYTES), so oversized frames still get their error reply.
@@ -204,6 +205,9 @@ class LookupServer:
         assert sock is not None
         work: list[intake.Work] = []
         for _ in range(RECV_BURST):
+            # EVENTS before each read: ending on ``zmq.Again`` costs an exception per batch (~10 us here).
+            if not sock.getsockopt(_EVENTS) & _POLLIN:
+                break
             try:
                 frames = sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:

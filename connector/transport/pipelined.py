@@ -36,6 +36,8 @@ from mooncake_lookout.connector.transport.base import Transport, TransportClosed
 from mooncake_lookout.connector.wire import pipelined as protocol
 
 logger = logging.getLogger(__name__)
+# Plain ints: pyzmq's constants are enums, and an enum operation costs about a microsecond on the hot path.
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 _HWM = 100_000
 _FD_SETSIZE = 1024  # select() cannot watch a higher descriptor
@@ -180,7 +182,9 @@ class PipelinedTransport(Transport):
     def _drain(self) -> None:
         sock = self._sock
         assert sock is not None
-        while True:
+        # Ask EVENTS before each read: ending a drain on ``zmq.Again`` costs an exception (~10 us here), and a
+        # step drains once even when nothing came.
+        while _readable(sock):
             try:
                 frames = sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
@@ -314,7 +318,7 @@ class PipelinedTransport(Transport):
 
 def _readable(sock: zmq.Socket) -> bool:
     """True if a reply waits on ``sock`` (reading EVENTS also re-arms its edge-triggered descriptor)."""
-    return bool(int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+    return bool(sock.getsockopt(_EVENTS) & _POLLIN)
 
 
 __all__ = ["PipelinedTransport"]
