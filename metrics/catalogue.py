@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mooncake_lookout.connector.events import Outcome
+from mooncake_lookout.connector.server.observer import STATUSES as SERVER_ANSWER_STATUSES
 
 PREFIX = "vllm:mooncake_lookup_"
 
@@ -24,7 +25,9 @@ OUTCOMES: tuple[str, ...] = tuple(o.value for o in Outcome)  # the ``outcome`` l
 MODES: tuple[str, ...] = ("sync", "async", "budget")
 DROP_REASONS: tuple[str, ...] = ("expired", "evicted", "wiped")
 CACHE_CLEAR_REASONS: tuple[str, ...] = ("reset", "epoch", "failure")
-SERVER_STATUSES: tuple[str, ...] = ("ok", "error", "bad_request")
+# ok, error: lookups answered; bad_request: malformed frames; busy: lookups turned away because their peer was at
+# its bound (max_peer_lookups); refused: resets from a peer that may not wipe the store (plain TCP, no CURVE).
+SERVER_STATUSES: tuple[str, ...] = SERVER_ANSWER_STATUSES
 
 
 @dataclass(frozen=True)
@@ -105,8 +108,10 @@ INFO = _m("info", "gauge", "Lookup configuration, value 1.", ("transport", "look
                                                               "lookup_wait_us", "lookup_wait_auto_share",
                                                               "lookup_timeout_ms", "lookup_max_pending"))
 
-SERVER_REQUESTS = _m("server_requests", "counter", "Frames the lookup server answered, by status.", ("status",),
-                     side="server")
+SERVER_REQUESTS = _m("server_requests", "counter",
+                     "Lookups the lookup server answered, by status: ok, error (the store failed), busy (the peer was "
+                     "at its bound of waiting lookups); and frames it refused: bad_request (malformed), refused (a "
+                     "reset from a peer that may not wipe the store).", ("status",), side="server")
 SERVER_QUEUE_DEPTH = _m("server_queue_depth", "gauge", "Lookups received and not yet answered by the server.",
                         side="server")
 SERVER_INFLIGHT = _m("server_inflight", "gauge", "Store calls the server is running right now.", side="server")

@@ -40,6 +40,9 @@ READY_PREFIX = "listening on "
 STANDBY_READY = "ready"
 DELAY_ON_SIGNAL = signal.SIGUSR1
 DELAY_OFF_SIGNAL = signal.SIGUSR2
+# ServerProcess(server_options=...) names -> the child's flags
+_SERVER_OPTIONS = {"curve_secret_key": "--curve-secret-key", "curve_allowed_clients": "--curve-allowed-clients",
+                   "max_peer_lookups": "--max-peer-lookups", "share_keys": "--share-keys"}
 
 
 def parse_ready_line(line: str) -> dict[str, str]:
@@ -61,6 +64,8 @@ class ServerProcess:
     store delay, active from the start if ``delay_on``; ``reset_delay_ms``, one before each wipe.
     ``store_rpc_timeout_ms`` bounds one store call in the child when the master stalls (None: Mooncake's
     30 s). ``start_timeout_s`` bounds the wait for the ready line (an upstream child imports vLLM: 10-15 s).
+    ``server_options`` (pipelined only): more ``LookupServer`` settings, as ``curve_secret_key`` and
+    ``curve_allowed_clients`` (key files: a CURVE server), ``max_peer_lookups`` and ``share_keys``.
 
     ``standby``: keep the next child already spawned and imported, waiting for a word on stdin, so a
     restart costs a bind (~0.1 s) instead of an interpreter and a vLLM import. What a restart measures
@@ -75,7 +80,7 @@ class ServerProcess:
                  rpc_port: int = 0, rpc_base_path: str | None = None, block_size: int = 16,
                  delay_ms: float = 0.0, delay_on: bool = False, reset_delay_ms: float = 0.0,
                  store_rpc_timeout_ms: int | None = 1000, start_timeout_s: float = 90.0,
-                 standby: bool = True) -> None:
+                 standby: bool = True, server_options: dict[str, Any] | None = None) -> None:
         self.transports = (transports,) if isinstance(transports, str) else tuple(transports)
         unknown = [t for t in self.transports if t not in TRANSPORTS]
         if unknown or not self.transports:
@@ -92,6 +97,10 @@ class ServerProcess:
         self.store_rpc_timeout_ms = store_rpc_timeout_ms
         self.start_timeout_s = start_timeout_s
         self.use_standby = standby
+        self.server_options = dict(server_options or {})
+        unknown_options = set(self.server_options) - set(_SERVER_OPTIONS)
+        if unknown_options:
+            raise ValueError(f"unknown server_options {sorted(unknown_options)}; known: {sorted(_SERVER_OPTIONS)}")
         self.starts = 0
         self.start_seconds: list[float] = []  # from the start call (or the standby's go) until serving
         self._own_dir: str | None = None
@@ -143,6 +152,8 @@ class ServerProcess:
             argv.append("--wait-go")
         if PIPELINED in self.transports:
             argv += ["--address", self.addresses.get(PIPELINED) or self._requested or ""]
+            for name, value in self.server_options.items():
+                argv += [_SERVER_OPTIONS[name], str(value)]
         if UPSTREAM in self.transports:
             argv += ["--rpc-port", str(self.rpc_port)]
             if self.rpc_base_path is not None:
@@ -254,6 +265,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--delay-on", action="store_true", help="inject the delay from the start")
     p.add_argument("--store-rpc-timeout-ms", type=int, default=None)
     p.add_argument("--reset-delay-ms", type=float, default=0.0, help="INJECTED delay before each wipe")
+    p.add_argument("--curve-secret-key", default=None, help="pipelined: the server's CURVE key pair file")
+    p.add_argument("--curve-allowed-clients", default=None, help="pipelined: the CURVE client keys admitted")
+    p.add_argument("--max-peer-lookups", type=int, default=None, help="pipelined: lookups one peer may have waiting")
+    p.add_argument("--share-keys", type=int, default=None, help="pipelined: keys of one peer per store call")
     p.add_argument("--wait-go", action="store_true",
                    help="standby: import everything, print 'ready', then wait for a line on stdin before serving")
     return p.parse_args(argv)
@@ -269,7 +284,16 @@ def _start_servers(args: argparse.Namespace, backend: Any) -> dict[str, Any]:
 
         servers[UPSTREAM] = UpstreamLookupServer(backend, lookup_vllm_config(args.rpc_port)).start()
     if PIPELINED in args.serve:
-        servers[PIPELINED] = LookupServer(backend, args.address or None).start()
+        options: dict[str, Any] = {}
+        if args.curve_secret_key:
+            from mooncake_lookout.connector.curve import ServerCurve
+
+            options["curve"] = ServerCurve.from_files(args.curve_secret_key, args.curve_allowed_clients)
+        if args.max_peer_lookups is not None:
+            options["max_peer_lookups"] = args.max_peer_lookups
+        if args.share_keys is not None:
+            options["share_keys"] = args.share_keys
+        servers[PIPELINED] = LookupServer(backend, args.address or None, **options).start()
     return servers
 
 

@@ -18,8 +18,10 @@ Request, two ZMQ frames (a DEALER sends them as they are; a ROUTER sees its peer
 
 Reply, one frame per request frame: ``[version, frame_id, status, reason, results]`` (:class:`Reply`), with
 one ``[lookup_id, status, hit_length, [[group_id, num_tokens], ...], reason]`` (:class:`Result`) per query.
-Frame ``status``: ``ok``, ``error`` (the server could not answer: every query failed) or ``bad_request``
-(the frame was refused). Query ``status``: ``ok`` (``hit_length`` > 0), ``miss`` or ``error`` (the store
+Frame ``status``: ``ok``, ``error`` (the server could not answer: every query failed), ``bad_request``
+(the frame was refused: malformed, or a ``reset`` from a peer that may not wipe the store) or ``busy`` (this
+peer already has as many lookups waiting at the server as it may; nothing was asked of the store).
+Query ``status``: ``ok`` (``hit_length`` > 0), ``miss`` or ``error`` (the store
 failed: the answer is unknown, not a miss). A frame whose header cannot be read is answered with
 ``frame_id`` :data:`UNKNOWN_ID`.
 """
@@ -53,7 +55,8 @@ OK = "ok"
 MISS = "miss"
 ERROR = "error"
 BAD_REQUEST = "bad_request"
-FRAME_STATUSES = (OK, ERROR, BAD_REQUEST)
+BUSY = "busy"  # added within version 2: a client that does not know it fails the frame's lookups, as it should
+FRAME_STATUSES = (OK, ERROR, BAD_REQUEST, BUSY)
 RESULT_STATUSES = (OK, MISS, ERROR)
 
 
@@ -234,6 +237,19 @@ def check_query(q: Query, frame_id: int = UNKNOWN_ID) -> None:
         raise ProtocolError(f"lookup {q.lookup_id}: {q.known} known blocks of {len(q.hashes) // q.hash_len}", frame_id)
 
 
+def frame_id_of(header_frame: bytes) -> int | None:
+    """The frame id of a lookup request's header, read without its body; None for anything else."""
+    if len(header_frame) > MAX_HEADER_BYTES:
+        return None
+    try:
+        header = _HEADER.decode(header_frame)
+    except msgspec.MsgspecError:
+        return None
+    if header.version != VERSION or header.op != OP_LOOKUP or not 0 <= header.frame_id <= MAX_ID:
+        return None
+    return header.frame_id
+
+
 def decode_request(frames: Sequence[bytes]) -> Lookups | Reset:
     """Parse and validate a request's two frames; raises :class:`ProtocolError` naming the frame when known."""
     if len(frames) != 2:
@@ -283,14 +299,14 @@ def encode_reply(frame_id: int, results: Sequence[Result], epoch: int = 0) -> by
 
 
 def encode_status(frame_id: int, status: str, reason: str = "", epoch: int = 0) -> bytes:
-    """A reply without results: a reset's ``ok``, a frame-wide ``error`` or a ``bad_request``, with its reason."""
+    """A reply without results: a reset's ``ok``, a frame-wide ``error``, ``bad_request`` or ``busy``, and why."""
     return _ENCODER.encode(Reply(VERSION, frame_id, status, reason, epoch=epoch))
 
 
 __all__ = [
-    "BAD_REQUEST", "ERROR", "FRAME_STATUSES", "Header", "Lookups", "MAX_BODY_BYTES", "MAX_HASHES", "MAX_HASH_BYTES",
-    "MAX_HEADER_BYTES", "MAX_QUERIES", "MISS", "OK", "OPS", "OP_LOOKUP", "OP_RESET", "ProtocolError", "Query",
-    "RESULT_STATUSES", "Reply", "Reset", "Result", "UNKNOWN_ID", "VERSION", "answer_of", "check_query",
-    "decode_reply", "decode_request", "encode_lookup", "encode_lookups", "encode_reply", "encode_reset",
-    "encode_status", "frame_error", "query", "query_bytes", "result_of",
+    "BAD_REQUEST", "BUSY", "ERROR", "FRAME_STATUSES", "Header", "Lookups", "MAX_BODY_BYTES", "MAX_HASHES",
+    "MAX_HASH_BYTES", "MAX_HEADER_BYTES", "MAX_QUERIES", "MISS", "OK", "OPS", "OP_LOOKUP", "OP_RESET",
+    "ProtocolError", "Query", "RESULT_STATUSES", "Reply", "Reset", "Result", "UNKNOWN_ID", "VERSION", "answer_of",
+    "check_query", "decode_reply", "decode_request", "encode_lookup", "encode_lookups", "encode_reply", "encode_reset",
+    "encode_status", "frame_error", "frame_id_of", "query", "query_bytes", "result_of",
 ]

@@ -1,0 +1,175 @@
+"""Which frames the lookup server takes in, from whom, and in what order it answers them.
+
+Why: one loop answers every client of a lookup server. Without bounds, a peer that floods it (a scheduler
+with a huge ``lookup_max_pending``, or anyone who reaches a TCP port) fills every store call with its own
+lookups and the other peers wait behind them; and on plain TCP anyone could wipe the store. Here:
+
+* **who**: a peer is its ZMQ routing id; on a CURVE socket, its authenticated public key (the ``User-Id``
+  the ZAP handler stamps on its frames), so reconnecting does not make a new peer;
+* **a bound per peer**: at most ``max_peer_lookups`` lookups of one peer wait in the server; a frame that
+  would pass it is answered ``busy`` at once (nothing asked of the store), and once a peer is at its bound
+  its frames cost no decoding beyond the header;
+* **a fair share of each store call**: when several peers wait, one batch takes at most ``share_keys``
+  keys of each (whole frames, at least one), so a flood is answered over several turns while the others'
+  lookups ride the next call. One peer alone gets everything it sent in one batch, as before;
+* **reset**: taken only where the peer may wipe the store (``resets_allowed``: IPC, or every peer
+  authenticated by CURVE); elsewhere refused with ``bad_request``. An accepted reset is answered once every
+  lookup read before it is, and no lookup read after it is answered before it (the fence).
+
+Everything here runs on the server's loop thread; no lock, no wake-up.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+from mooncake_lookout.connector.logs import RateLimit
+from mooncake_lookout.connector.server import intake
+from mooncake_lookout.connector.server.observer import REFUSED
+from mooncake_lookout.connector.wire import pipelined as protocol
+from mooncake_lookout.connector.wire import upstream as upstream_wire
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_PEER_LOOKUPS = 4096  # a frame's most lookups (MAX_QUERIES), 4x a client's default lookup_max_pending
+DEFAULT_SHARE_KEYS = 1024  # keys of one peer per store call while others wait (~0.5-1 ms of batch_is_exist here)
+RESET_REFUSED = ("reset refused: this lookup server listens on plain TCP; only a CURVE-authenticated peer or an "
+                 "IPC client may wipe the store")
+_Queued = tuple[int, intake.Frame | intake.UpstreamLookup]  # (arrival number, lookups)
+
+
+class Admission:
+    """Takes in each message of the server's socket; queues its lookups per peer; hands out fair batches.
+
+    ``curve``: the socket is a CURVE server, its messages come as ``zmq.Frame`` s (``copy=False``) carrying
+    the client's key. ``resets_allowed``: a peer of this socket may wipe the store.
+    """
+
+    def __init__(self, *, max_peer_lookups: int = DEFAULT_MAX_PEER_LOOKUPS, share_keys: int = DEFAULT_SHARE_KEYS,
+                 resets_allowed: bool = True, curve: bool = False) -> None:
+        if max_peer_lookups < 1 or share_keys < 1:
+            raise ValueError(f"max_peer_lookups ({max_peer_lookups}) and share_keys ({share_keys}) must be >= 1")
+        self.max_peer_lookups = max_peer_lookups
+        self.share_keys = share_keys
+        self.resets_allowed = resets_allowed
+        self.curve = curve
+        self.depth = 0  # lookups waiting, every peer
+        self._seq = 0
+        self._queues: dict[bytes, collections.deque[_Queued]] = {}
+        self._waiting: dict[bytes, int] = {}  # lookups waiting, per peer
+        self._resets: collections.deque[tuple[int, intake.Reset]] = collections.deque()
+        self._log_limit = RateLimit(10.0)
+
+    def __bool__(self) -> bool:
+        """True while something waits to be answered."""
+        return bool(self._queues or self._resets)
+
+    # -- taking in ---------------------------------------------------------------------------------------------
+    def take_in(self, message: Sequence[Any]) -> intake.Refusal | None:
+        """Queue one message's work; or the reply that turns it away (malformed, busy, a refused reset)."""
+        if self.curve:
+            frames: Sequence[bytes] = [f.bytes for f in message]
+            try:
+                peer = message[0].get("User-Id").encode()
+            except zmq.ZMQError:  # no ZAP verdict on the connection: its routing id, as without CURVE
+                peer = frames[0]
+        else:
+            frames = message
+            peer = frames[0]
+        if self._waiting.get(peer, 0) >= self.max_peer_lookups:
+            refusal = self._busy_at_bound(frames)
+            if refusal is not None:
+                return refusal
+        item = intake.parse(frames)
+        if isinstance(item, intake.Refusal):
+            return item
+        self._seq += 1
+        if isinstance(item, intake.Reset):
+            if not self.resets_allowed:
+                return self._refuse_reset(item)
+            self._resets.append((self._seq, item))
+            return None
+        n = intake.lookups_in(item)
+        waiting = self._waiting.get(peer, 0) + n
+        if waiting > self.max_peer_lookups:
+            return self._busy(item.envelope, item.frame_id if isinstance(item, intake.Frame) else None, n,
+                              waiting - n)
+        self._waiting[peer] = waiting
+        self.depth += n
+        queue = self._queues.get(peer)
+        if queue is None:
+            queue = self._queues[peer] = collections.deque()
+        queue.append((self._seq, item))
+        return None
+
+    def _busy_at_bound(self, frames: Sequence[bytes]) -> intake.Refusal | None:
+        """A lookup frame from a peer already at its bound: ``busy`` from the header alone (None: not a lookup)."""
+        envelope, payload = intake.split(frames)
+        if payload and payload[0] == upstream_wire.LOOKUP_MSG:
+            return self._busy(envelope, None, 1, self.max_peer_lookups)
+        if len(payload) == 2:
+            frame_id = protocol.frame_id_of(payload[0])
+            if frame_id is not None:
+                return self._busy(envelope, frame_id, intake.query_count(payload[1]), self.max_peer_lookups)
+        return None
+
+    def _busy(self, envelope: list[bytes], frame_id: int | None, lookups: int, waiting: int) -> intake.Refusal:
+        if frame_id is None:  # vLLM's wire format: its error byte
+            return intake.Refusal(envelope, upstream_wire.RESP_ERR, protocol.BUSY, lookups)
+        reason = (f"busy: {waiting} lookups of this peer already wait at the lookup server, its bound is "
+                  f"{self.max_peer_lookups}")
+        return intake.Refusal(envelope, protocol.encode_status(frame_id, protocol.BUSY, reason), protocol.BUSY,
+                              lookups)
+
+    def _refuse_reset(self, item: intake.Reset) -> intake.Refusal:
+        if self._log_limit.allow(time.monotonic()):
+            logger.warning("%s (a reset from an unauthenticated peer)", RESET_REFUSED)
+        if item.frame_id is None:
+            return intake.Refusal(item.envelope, upstream_wire.RESP_ERR, REFUSED)
+        return intake.Refusal(item.envelope, protocol.encode_status(item.frame_id, protocol.BAD_REQUEST,
+                                                                    RESET_REFUSED), REFUSED)
+
+    # -- handing out -------------------------------------------------------------------------------------------
+    def take(self) -> list[intake.Work]:
+        """The next batch to answer: lookups (each waiting peer's share, in arrival order), or one reset."""
+        fence = self._resets[0][0] if self._resets else None
+        if fence is not None and all(queue[0][0] > fence for queue in self._queues.values()):
+            return [self._resets.popleft()[1]]
+        share = self.share_keys if len(self._queues) > 1 else None
+        taken: list[_Queued] = []
+        for peer in list(self._queues):
+            queue = self._queues[peer]
+            keys = lookups = 0
+            while queue and (fence is None or queue[0][0] < fence) and (share is None or keys < share):
+                entry = queue.popleft()
+                taken.append(entry)
+                lookups += intake.lookups_in(entry[1])
+                if share is not None:
+                    keys += intake.keys_in(entry[1])
+            self.depth -= lookups
+            if queue:
+                self._waiting[peer] -= lookups
+            else:
+                del self._queues[peer], self._waiting[peer]
+        if share is not None:
+            taken.sort(key=lambda entry: entry[0])
+        return [item for _, item in taken]
+
+    def drain(self) -> list[intake.Work]:
+        """Everything still waiting, in arrival order (the server is closing: each gets an error reply)."""
+        entries: list[tuple[int, intake.Work]] = [e for queue in self._queues.values() for e in queue]
+        entries += self._resets
+        self._queues.clear()
+        self._waiting.clear()
+        self._resets.clear()
+        self.depth = 0
+        return [item for _, item in sorted(entries, key=lambda entry: entry[0])]
+
+
+__all__ = ["Admission", "DEFAULT_MAX_PEER_LOOKUPS", "DEFAULT_SHARE_KEYS", "RESET_REFUSED"]
