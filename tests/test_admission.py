@@ -48,13 +48,19 @@ def ids(batch: Sequence[intake.Work]) -> list[int | None]:
 
 
 # -- Admission on its own -------------------------------------------------------------------------------------
-def test_one_peer_gets_everything_it_sent_in_one_batch() -> None:
-    admission = Admission(max_peer_lookups=4096, share_keys=1)
+def test_a_batch_takes_whole_frames_up_to_a_share_of_each_peer() -> None:
+    admission = Admission(share_keys=64)  # frames of 16 lookups x 2 hashes: 32 keys each
     for i in range(1, 6):
         assert admission.take_in(frame(b"A", i, 16)) is None
     assert admission.depth == 80
-    assert ids(admission.take()) == [1, 2, 3, 4, 5]  # the share only applies while others wait
+    assert ids(admission.take()) == [1, 2] and admission.depth == 48
+    assert ids(admission.take()) == [3, 4]
+    assert admission.take_in(frame(b"A", 6, 100)) is None  # 200 keys: a frame is never split
+    assert ids(admission.take()) == [5, 6]
     assert not admission and admission.depth == 0
+    step = Admission()  # a client's step (one frame of 128 lookups of 8 blocks) goes whole, the next one after
+    assert step.take_in(frame(b"A", 1, 128, hashes=8)) is None and step.take_in(frame(b"A", 2, 1)) is None
+    assert ids(step.take()) == [1] and ids(step.take()) == [2]
 
 
 def test_a_peer_past_its_bound_is_busy_and_the_others_are_not() -> None:
@@ -90,8 +96,8 @@ def test_while_peers_wait_each_store_call_takes_a_share_of_each() -> None:
         assert admission.take_in(frame(b"flood", i, 16)) is None
     assert admission.take_in(frame(b"other", 11, 1)) is None
     assert ids(admission.take()) == [1, 2, 11], "the flood's share (64 keys), and the other's lookup"
-    assert ids(admission.take()) == [3, 4, 5, 6, 7, 8, 9, 10], "alone again: everything"
-    assert not admission
+    assert admission.take_in(frame(b"other", 12, 1)) is None
+    assert ids(admission.take()) == [3, 4, 12], "the next lookup of the other waits for one share, not the backlog"
 
 
 def test_a_reset_is_fenced_even_when_shares_split_the_lookups_before_it() -> None:

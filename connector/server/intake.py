@@ -27,6 +27,7 @@ class Frame:
     envelope: list[bytes]
     frame_id: int
     queries: list[protocol.Query]
+    keys: int  # store keys answering it asks
 
 
 @dataclass(eq=False)
@@ -78,7 +79,7 @@ def parse(frames: Sequence[bytes]) -> Work | Refusal:
         return Refusal(envelope, protocol.encode_status(e.frame_id, protocol.BAD_REQUEST, e.reason))
     if isinstance(req, protocol.Reset):
         return Reset(envelope, req.frame_id)
-    return Frame(envelope, req.frame_id, req.queries)
+    return Frame(envelope, req.frame_id, req.queries, req.keys)
 
 
 def _parse_upstream(envelope: list[bytes], tag: bytes, rest: Sequence[bytes]) -> Work | Refusal:
@@ -109,9 +110,7 @@ def lookups_in(work: Work) -> int:
 
 def keys_in(work: Frame | UpstreamLookup) -> int:
     """How many keys answering ``work`` asks the store (the blocks its client does not already know)."""
-    if isinstance(work, UpstreamLookup):
-        return len(work.hashes)
-    return sum(len(q.block_hashes) - q.known for q in work.queries)
+    return work.keys if isinstance(work, Frame) else len(work.hashes)
 
 
 def query_count(body: bytes) -> int:

@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 RECV_BURST = 4096  # frames read per turn of the loop before they are answered
-BUSY_BURST = 64  # frames turned away busy per turn: past it the turn answers, so a flood cannot stretch it
+BUSY_BURST = 16  # frames turned away busy per turn: past it the turn answers, so a flood cannot stretch it
 # num_tokens, hashes, blocks the client knows are present, the store's epoch they were found in
 _Query = tuple[int, Sequence[bytes], int, int]
 

@@ -135,6 +135,7 @@ class Lookups(msgspec.Struct, frozen=True):
 
     frame_id: int
     queries: list[Query]
+    keys: int = 0  # store keys answering it asks (blocks its client does not already know)
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -213,8 +214,9 @@ def frame_error(reply: Reply) -> Answer:
 
 
 # -- server side ---------------------------------------------------------------------------------------------
-def check_query(q: Query, frame_id: int = UNKNOWN_ID) -> None:
-    """Raise :class:`ProtocolError` if a query breaks a limit (both ends run the same checks)."""
+def check_query(q: Query, frame_id: int = UNKNOWN_ID) -> int:
+    """Raise :class:`ProtocolError` if a query breaks a limit (both ends run the same checks); else the number of
+    store keys it asks (its blocks past the ``known`` ones)."""
     if not 0 <= q.lookup_id <= MAX_ID:
         raise ProtocolError(f"lookup id {q.lookup_id} out of range", frame_id)
     if not 0 <= q.num_tokens <= MAX_U32:
@@ -224,17 +226,18 @@ def check_query(q: Query, frame_id: int = UNKNOWN_ID) -> None:
             raise ProtocolError(f"lookup {q.lookup_id}: hash_len {q.hash_len} outside 0..{MAX_HASH_BYTES}", frame_id)
         if q.known:
             raise ProtocolError(f"lookup {q.lookup_id}: {q.known} known blocks of 0", frame_id)
-        return
+        return 0
     if not 1 <= q.hash_len <= MAX_HASH_BYTES:
         raise ProtocolError(f"lookup {q.lookup_id}: hash_len {q.hash_len} outside 1..{MAX_HASH_BYTES}", frame_id)
     if len(q.hashes) % q.hash_len:
         raise ProtocolError(f"lookup {q.lookup_id}: {len(q.hashes)} hash bytes are not a multiple of "
                             f"hash_len {q.hash_len}", frame_id)
-    if len(q.hashes) // q.hash_len > MAX_HASHES:
-        raise ProtocolError(f"lookup {q.lookup_id}: {len(q.hashes) // q.hash_len} hashes exceed the limit of "
-                            f"{MAX_HASHES}", frame_id)
-    if not 0 <= q.known <= len(q.hashes) // q.hash_len:
-        raise ProtocolError(f"lookup {q.lookup_id}: {q.known} known blocks of {len(q.hashes) // q.hash_len}", frame_id)
+    blocks = len(q.hashes) // q.hash_len
+    if blocks > MAX_HASHES:
+        raise ProtocolError(f"lookup {q.lookup_id}: {blocks} hashes exceed the limit of {MAX_HASHES}", frame_id)
+    if not 0 <= q.known <= blocks:
+        raise ProtocolError(f"lookup {q.lookup_id}: {q.known} known blocks of {blocks}", frame_id)
+    return blocks - q.known
 
 
 def frame_id_of(header_frame: bytes) -> int | None:
@@ -280,9 +283,10 @@ def decode_request(frames: Sequence[bytes]) -> Lookups | Reset:
         raise ProtocolError(f"malformed lookup body: {e}", fid) from None
     if not 0 < len(queries) <= MAX_QUERIES:
         raise ProtocolError(f"a frame carries 1..{MAX_QUERIES} queries, got {len(queries)}", fid)
+    keys = 0
     for q in queries:
-        check_query(q, fid)
-    return Lookups(fid, queries)
+        keys += check_query(q, fid)
+    return Lookups(fid, queries, keys)
 
 
 def result_of(lookup_id: int, outcome: LookupResult | BaseException) -> Result:
