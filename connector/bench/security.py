@@ -226,9 +226,10 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(out_dir: str, *, quick: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
+def run(out_dir: str, *, quick: bool = False, log: Callable[[str], None] = print,
+        sizes: Sizes | None = None) -> dict[str, Any]:
     """Both parts; writes ``security.json`` and ``security.txt`` to ``out_dir``; returns the results."""
-    sizes = QUICK if quick else FULL
+    sizes = sizes or (QUICK if quick else FULL)
     t0 = time.perf_counter()
     results: dict[str, Any] = {"quick": quick}
     with ExitStack() as stack:
