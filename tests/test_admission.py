@@ -47,20 +47,25 @@ def ids(batch: Sequence[intake.Work]) -> list[int | None]:
     return [item.frame_id if isinstance(item, (intake.Frame, intake.Reset)) else None for item in batch]
 
 
+def turn(admission: Admission) -> list[list[int | None]]:
+    """The frame ids of one turn's batches (each answered with a store call of its own), in order."""
+    return [ids(batch) for batch in admission.take()]
+
+
 # -- Admission on its own -------------------------------------------------------------------------------------
 def test_a_batch_takes_whole_frames_up_to_a_share_of_each_peer() -> None:
     admission = Admission(share_keys=64)  # frames of 16 lookups x 2 hashes: 32 keys each
     for i in range(1, 6):
         assert admission.take_in(frame(b"A", i, 16)) is None
     assert admission.depth == 80
-    assert ids(admission.take()) == [1, 2] and admission.depth == 48
-    assert ids(admission.take()) == [3, 4]
+    assert turn(admission) == [[1, 2]] and admission.depth == 48
+    assert turn(admission) == [[3, 4]]
     assert admission.take_in(frame(b"A", 6, 100)) is None  # 200 keys: a frame is never split
-    assert ids(admission.take()) == [5, 6]
+    assert turn(admission) == [[5, 6]]
     assert not admission and admission.depth == 0
     step = Admission()  # a client's step (one frame of 128 lookups of 8 blocks) goes whole, the next one after
     assert step.take_in(frame(b"A", 1, 128, hashes=8)) is None and step.take_in(frame(b"A", 2, 1)) is None
-    assert ids(step.take()) == [1] and ids(step.take()) == [2]
+    assert turn(step) == [[1]] and turn(step) == [[2]]
 
 
 def test_a_peer_past_its_bound_is_busy_and_the_others_are_not() -> None:
@@ -72,7 +77,7 @@ def test_a_peer_past_its_bound_is_busy_and_the_others_are_not() -> None:
     reply = p.decode_reply(busy.reply)
     assert (reply.status, reply.frame_id) == (p.BUSY, 3) and "32 lookups" in reply.reason and "40" in reply.reason
     assert admission.take_in(frame(b"B", 4, 16)) is None  # another peer has its own bound
-    assert ids(admission.take()) == [1, 2, 4]
+    assert turn(admission) == [[1, 2, 4]]  # both wait no more than the turn: one call
     assert admission.take_in(frame(b"A", 5, 16)) is None, "answered lookups no longer count"
     assert admission.take_in(frame(b"A", 6, 41)) is not None, "a frame over the bound on its own is always busy"
 
@@ -90,14 +95,14 @@ def test_at_its_bound_a_peer_costs_only_a_header_read() -> None:
     assert junk is not None and junk.status == p.BAD_REQUEST
 
 
-def test_while_peers_wait_each_store_call_takes_a_share_of_each() -> None:
+def test_a_flood_is_answered_share_by_share_after_the_light_peers() -> None:
     admission = Admission(share_keys=64)  # frames of 16 lookups x 2 hashes: 32 keys each
     for i in range(1, 11):
         assert admission.take_in(frame(b"flood", i, 16)) is None
     assert admission.take_in(frame(b"other", 11, 1)) is None
-    assert ids(admission.take()) == [1, 2, 11], "the flood's share (64 keys), and the other's lookup"
+    assert turn(admission) == [[11], [1, 2]], "the other's lookup first, then the flood's share (64 keys)"
     assert admission.take_in(frame(b"other", 12, 1)) is None
-    assert ids(admission.take()) == [3, 4, 12], "the next lookup of the other waits for one share, not the backlog"
+    assert turn(admission) == [[12], [3, 4]], "the other's next lookup waits for no share of the backlog"
 
 
 def test_a_reset_is_fenced_even_when_shares_split_the_lookups_before_it() -> None:
@@ -107,8 +112,8 @@ def test_a_reset_is_fenced_even_when_shares_split_the_lookups_before_it() -> Non
         assert admission.take_in(message) is None
     batches = []
     while admission:
-        batches.append(ids(admission.take()))
-    assert batches == [[1, 3], [2], [4], [5, 6]]
+        batches.append(turn(admission))
+    assert batches == [[[1, 3]], [[2]], [[4]], [[5, 6]]]
 
 
 def test_resets_are_refused_where_a_peer_may_not_wipe_the_store() -> None:

@@ -24,5 +24,6 @@ def test_security_bench_writes_its_figures(tmp_path: Path) -> None:
     assert on["unloaded_us"]["n"] == on["flood_us"]["n"] == off["flood_us"]["n"] == 40  # every lookup a hit
     assert on["flooder"]["busy"] > 0 and on["flooder"]["ok"] > 0, on["flooder"]
     assert off["flooder"]["busy"] == 0 and off["flooder"]["other"] == on["flooder"]["other"] == 0
+    assert flood["neighbour"]["flood_us"]["n"] == 40 and flood["neighbour"]["flooder"]["busy"] > 0
     assert json.loads((tmp_path / "security.json").read_text())["flood"]["window"] == 8192
     assert (tmp_path / "security.txt").read_text().strip() == security.table(results).strip()

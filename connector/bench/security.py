@@ -5,10 +5,11 @@
    of 256 lookups (where encryption works on more bytes).
 2. **A flooding peer**: one client (the *other*) makes blocking lookups one at a time, first alone
    (unloaded), then while a flooding peer (:mod:`.flood`, a process of its own) keeps a window of lookups
-   in flight at the same server. Run twice: with the server's per-peer bounds (``max_peer_lookups``,
-   ``share_keys``) at their defaults, and with them off (huge), so the difference is the bounds' doing.
-   Reports the other's p50/p99 unloaded and under the flood, their ratio, the flooder's busy share and
-   the lookups it got answered per second.
+   in flight at the same server. Run with the server's per-peer bounds (``max_peer_lookups``,
+   ``share_keys``) at their defaults, and with them off (huge), so the difference is the bounds' doing;
+   and once with the flood sent to a *neighbour* server (same machine, same master), which shows what the
+   flood costs the other through the CPU alone. Reports the other's p50/p99 unloaded and under the flood,
+   their ratios, the flooder's busy share and the lookups it got answered per second.
 
 Every server is a separate process (:class:`~..rigs.server_process.ServerProcess`), as in production.
 ``python -m mooncake_lookout.connector.bench.security [--quick] [--out DIR]`` prints a table and writes
@@ -36,6 +37,8 @@ from mooncake_lookout.connector.bench.rig import summary_us
 BLOCKS = 8
 BLOCK_SIZE = 16
 BOUNDS_OFF = {"max_peer_lookups": 10**9, "share_keys": 10**9}
+NEIGHBOUR = "neighbour"  # the flood hits another server process on the same machine and master
+CASES: tuple[tuple[str, dict[str, Any]], ...] = (("bounds on", {}), ("bounds off", BOUNDS_OFF), (NEIGHBOUR, {}))
 
 
 @dataclass(frozen=True)
@@ -163,14 +166,16 @@ def _other(bench: Bench, address: str, n: int, tag: str) -> list[float]:
         client.close()
 
 
-def _flooded(bench: Bench, address: str, sizes: Sizes, tag: str) -> tuple[list[float], dict[str, Any]]:
-    """The other's lookups while the flooder runs, and the flooder's counts."""
+def _flooded(bench: Bench, address: str, sizes: Sizes, tag: str,
+             flood_address: str | None = None) -> tuple[list[float], dict[str, Any]]:
+    """The other's lookups at ``address`` while the flooder floods ``flood_address`` (default: the same server),
+    and the flooder's counts."""
     from mooncake_lookout.connector.bench.flood import STEADY
     from mooncake_lookout.connector.rigs.processes import ChildProcess
 
-    flooder = ChildProcess([sys.executable, "-m", "mooncake_lookout.connector.bench.flood", "--address", address,
-                            "--window", str(sizes.flood_window)], env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                           name="flooder")
+    flooder = ChildProcess([sys.executable, "-m", "mooncake_lookout.connector.bench.flood",
+                            "--address", flood_address or address, "--window", str(sizes.flood_window)],
+                           env=dict(os.environ, PYTHONUNBUFFERED="1"), name="flooder")
     try:
         flooder.wait_line(STEADY, 120.0, "flood in its steady state")
         seconds = _other(bench, address, sizes.flood_lookups, tag)
@@ -188,12 +193,16 @@ def flood_fairness(bench: Bench, sizes: Sizes) -> dict[str, Any]:
 
     defaults = {"max_peer_lookups": DEFAULT_MAX_PEER_LOOKUPS, "share_keys": DEFAULT_SHARE_KEYS}
     out: dict[str, Any] = {"window": sizes.flood_window, "frame_lookups": 32, "hashes": 8, "bounds_on": defaults}
-    for case, options in (("bounds on", {}), ("bounds off", BOUNDS_OFF)):
+    for case, options in CASES:
         bench.log(f"  {case}: the other alone, then under the flood ...")
         server = bench.server(**options)
+        neighbour = bench.server() if case == NEIGHBOUR else None
         unloaded = _other(bench, server.address, sizes.flood_lookups, f"{case}-alone")
-        flooded, counts = _flooded(bench, server.address, sizes, f"{case}-flood")
-        server.close()
+        flooded, counts = _flooded(bench, server.address, sizes, f"{case}-flood",
+                                   neighbour.address if neighbour is not None else None)
+        for s in (server, neighbour):
+            if s is not None:
+                s.close()
         answered = counts["ok"] + counts["busy"] + counts["other"]
         row = {"unloaded_us": summary_us(unloaded), "flood_us": summary_us(flooded), "flooder": counts,
                "flooder_busy_share": counts["busy"] / answered if answered else float("nan"),
@@ -216,12 +225,13 @@ def table(results: dict[str, Any]) -> str:
                  f"{c['frame256_us_added_p50']:>26.0f}")
     lines += ["", f"A flooding peer (window {f['window']} lookups in frames of {f['frame_lookups']}, "
                   f"{f['hashes']} blocks each) vs another peer's blocking lookups",
-              f"{'':12}{'alone p50':>10}{'p99':>8}{'flood p50':>10}{'p99':>8}{'p99 x':>7}"
+              f"{'':12}{'alone p50':>10}{'p99':>8}{'flood p50':>10}{'p99':>9}{'p50 x':>8}{'p99 x':>8}"
               f"{'flooder busy':>14}{'flooder ok/s':>14}"]
-    for case in ("bounds on", "bounds off"):
+    for case, _ in CASES:
         r = f[case]
         lines.append(f"{case:12}{r['unloaded_us']['p50']:>10.0f}{r['unloaded_us']['p99']:>8.0f}"
-                     f"{r['flood_us']['p50']:>10.0f}{r['flood_us']['p99']:>8.0f}{r['p99_ratio']:>7.2f}"
+                     f"{r['flood_us']['p50']:>10.0f}{r['flood_us']['p99']:>9.0f}"
+                     f" {r['p50_ratio']:>7.1f} {r['p99_ratio']:>7.1f}"
                      f"{r['flooder_busy_share']:>14.1%}{r['flooder_ok_per_s']:>14.0f}")
     return "\n".join(lines)
 

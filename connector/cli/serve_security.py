@@ -39,8 +39,8 @@ def add_security_arguments(p: argparse.ArgumentParser) -> None:
                    help="lookups one peer (ZMQ connection; with CURVE, client key) may have waiting in the server; "
                         f"past it its frames are answered busy (default {DEFAULT_MAX_PEER_LOOKUPS})")
     g.add_argument("--peer-share-keys", type=int, default=DEFAULT_SHARE_KEYS, metavar="N",
-                   help="while several peers wait, store keys of one peer per store call, so a flood is spread "
-                        f"over turns (default {DEFAULT_SHARE_KEYS})")
+                   help="store keys of one peer per store call (whole frames, at least one), so a flood is spread "
+                        f"over turns and others wait for one share (default {DEFAULT_SHARE_KEYS})")
 
 
 def server_security(args: argparse.Namespace, address: str | None) -> dict[str, Any]:

@@ -9,9 +9,11 @@ lookups and the other peers wait behind them; and on plain TCP anyone could wipe
 * **a bound per peer**: at most ``max_peer_lookups`` lookups of one peer wait in the server; a frame that
   would pass it is answered ``busy`` at once (nothing asked of the store), and once a peer is at its bound
   its frames cost no decoding beyond the header;
-* **a share of each store call**: one batch takes at most ``share_keys`` store keys of each peer (whole
-  frames, at least one), so a flood is answered over several turns and whoever comes next waits for one
-  share at most, not for the flood's whole backlog (a peer alone too: the next one may arrive meanwhile);
+* **a share of each turn**: one turn takes at most ``share_keys`` store keys of each peer (whole frames, at
+  least one), so a flood is answered over several turns and whoever comes next waits for one share at most,
+  not for the flood's whole backlog (a peer alone too: the next one may arrive meanwhile). Peers whose whole
+  wait fits in the turn are answered first, in a store call of their own, before the shares of peers with a
+  backlog: a light peer does not wait for a flood's share either;
 * **reset**: taken only where the peer may wipe the store (``resets_allowed``: IPC, or every peer
   authenticated by CURVE); elsewhere refused with ``bad_request``. An accepted reset is answered once every
   lookup read before it is, and no lookup read after it is answered before it (the fence).
@@ -136,15 +138,18 @@ class Admission:
                                                                     RESET_REFUSED), REFUSED)
 
     # -- handing out -------------------------------------------------------------------------------------------
-    def take(self) -> list[intake.Work]:
-        """The next batch to answer: lookups (each waiting peer's share, in arrival order), or one reset."""
+    def take(self) -> list[list[intake.Work]]:
+        """This turn's batches, each answered with one store call, in order: the lookups of peers whose whole wait
+        fits in the turn, then the shares of peers with a backlog (each in arrival order); or one reset alone."""
         fence = self._resets[0][0] if self._resets else None
         if fence is not None and all(queue[0][0] > fence for queue in self._queues.values()):
-            return [self._resets.popleft()[1]]
+            return [[self._resets.popleft()[1]]]
         share, peers = self.share_keys, len(self._queues)
-        taken: list[_Queued] = []
+        light: list[_Queued] = []
+        heavy: list[_Queued] = []
         for peer in list(self._queues):
             queue = self._queues[peer]
+            taken: list[_Queued] = []
             keys = lookups = 0
             while queue and (fence is None or queue[0][0] < fence) and keys < share:
                 entry = queue.popleft()
@@ -154,11 +159,13 @@ class Admission:
             self.depth -= lookups
             if queue:
                 self._waiting[peer] -= lookups
+                heavy += taken
             else:
                 del self._queues[peer], self._waiting[peer]
-        if peers > 1:
-            taken.sort(key=lambda entry: entry[0])
-        return [item for _, item in taken]
+                light += taken
+        if peers == 1:
+            return [[item for _, item in light or heavy]]
+        return [[item for _, item in sorted(batch, key=lambda entry: entry[0])] for batch in (light, heavy) if batch]
 
     def drain(self) -> list[intake.Work]:
         """Everything still waiting, in arrival order (the server is closing: each gets an error reply)."""

@@ -15,7 +15,7 @@ malformed frame. This server
 * fences ``reset``: lookups received before it are answered first, lookups received after it wait until
   it is done (frames are handled in arrival order), so no lookup straddles a wipe;
 * decides who gets what (:mod:`.admission`): a bound on each peer's waiting lookups (``busy`` past it), a
-  fair share of each store call when several peers wait, and ``reset`` only where a peer may wipe the store
+  share of each store call per peer (a flood is spread over turns), and ``reset`` only where a peer may wipe the store
   (IPC, or CURVE: every peer authenticated). With ``curve`` the socket is a CURVE server and pyzmq's ZAP
   handler (:mod:`.auth`) admits only the allowed client keys.
 
@@ -66,7 +66,7 @@ class LookupServer:
 
     ``max_batch_hashes``: the most block hashes asked in one store call (a larger batch is split).
     ``curve``: serve CURVE clients of its allow-list only. ``max_peer_lookups``: lookups one peer may have
-    waiting (``busy`` past it); ``share_keys``: keys of one peer per store call while others wait.
+    waiting (``busy`` past it); ``share_keys``: store keys of one peer per batch (whole frames, at least one).
     Use as a context manager, or call :meth:`start` and :meth:`close`.
     """
 
@@ -204,7 +204,8 @@ class LookupServer:
                 if sock in events:
                     self._receive()
                 if admission:
-                    self._answer(admission.take())
+                    for batch in admission.take():
+                        self._answer(batch)
                     self._observe.queue_depth(admission.depth)
             except Exception:  # one bad frame or reply must not stop the server
                 logger.exception("lookup server loop failed")
