@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mooncake_lookout.connector.events import Outcome
-from mooncake_lookout.connector.server.observer import STATUSES as SERVER_ANSWER_STATUSES
 
 PREFIX = "vllm:mooncake_lookup_"
 
@@ -25,9 +24,12 @@ OUTCOMES: tuple[str, ...] = tuple(o.value for o in Outcome)  # the ``outcome`` l
 MODES: tuple[str, ...] = ("sync", "async", "budget")
 DROP_REASONS: tuple[str, ...] = ("expired", "evicted", "wiped")
 CACHE_CLEAR_REASONS: tuple[str, ...] = ("reset", "epoch", "failure")
-# ok, error: lookups answered; bad_request: malformed frames; busy: lookups turned away because their peer was at
-# its bound (max_peer_lookups); refused: resets from a peer that may not wipe the store (plain TCP, no CURVE).
-SERVER_STATUSES: tuple[str, ...] = SERVER_ANSWER_STATUSES
+# The ``status`` label of server_requests: ok, error (lookups answered; the store failed), bad_request (malformed
+# frames), busy (lookups turned away: their peer was at its bound, max_peer_lookups), refused (resets from a peer
+# that may not wipe the store: plain TCP). The first four are also the wire's frame statuses (wire/pipelined.py).
+SERVER_BUSY = "busy"
+SERVER_REFUSED = "refused"
+SERVER_STATUSES: tuple[str, ...] = ("ok", "error", "bad_request", SERVER_BUSY, SERVER_REFUSED)
 
 
 @dataclass(frozen=True)
@@ -141,5 +143,5 @@ def all_series_names() -> set[str]:
 
 __all__ = [
     "BY_NAME", "CACHE_CLEAR_REASONS", "CATALOGUE", "DROP_REASONS", "MODES", "MetricSpec", "OUTCOMES", "PREFIX",
-    "SECONDS_BUCKETS", "SERVER_STATUSES", "all_series_names",
+    "SECONDS_BUCKETS", "SERVER_BUSY", "SERVER_REFUSED", "SERVER_STATUSES", "all_series_names",
 ]

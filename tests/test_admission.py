@@ -239,3 +239,9 @@ def test_a_busy_frame_ends_its_lookups_as_errors_not_misses(prefix_index: Prefix
     answers: list[Any] = [job.answer for job in jobs]
     assert [a.outcome for a in answers] == [Outcome.ERROR] * 2
     assert all(a.error.startswith("busy: ") for a in answers)
+
+
+def test_every_status_the_server_answers_with_is_a_catalogue_label() -> None:
+    from mooncake_lookout.metrics.catalogue import SERVER_REFUSED, SERVER_STATUSES
+
+    assert set(SERVER_STATUSES) == {*p.FRAME_STATUSES, SERVER_REFUSED}, "a wire status without its metric label"

@@ -33,9 +33,9 @@ import zmq
 
 from mooncake_lookout.connector.logs import RateLimit
 from mooncake_lookout.connector.server import intake
-from mooncake_lookout.connector.server.observer import REFUSED
 from mooncake_lookout.connector.wire import pipelined as protocol
 from mooncake_lookout.connector.wire import upstream as upstream_wire
+from mooncake_lookout.metrics.catalogue import SERVER_REFUSED as REFUSED
 
 logger = logging.getLogger(__name__)
 

@@ -11,11 +11,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from mooncake_lookout.connector.events import FanOut
-from mooncake_lookout.connector.wire import pipelined as protocol
-
-REFUSED = "refused"  # a reset refused to a peer that may not wipe the store
-# The ``status`` of each answer (the label values of ``server_requests``): the wire's frame statuses and ``refused``.
-STATUSES: tuple[str, ...] = (protocol.OK, protocol.ERROR, protocol.BAD_REQUEST, protocol.BUSY, REFUSED)
 
 
 class ServerObserver:
@@ -74,4 +69,4 @@ class ServerObserverSet(FanOut, ServerObserver):
         super().__init__(observers, base=ServerObserver)
 
 
-__all__ = ["REFUSED", "STATUSES", "ServerObserver", "ServerObserverSet", "ServerStats"]
+__all__ = ["ServerObserver", "ServerObserverSet", "ServerStats"]
