@@ -13,10 +13,13 @@ floor, a deadline), the ratio, the bound and "met" or "MISSED".
 
 from __future__ import annotations
 
+import datetime
+import importlib.metadata
 import json
 import math
 import os
 import platform
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -153,10 +156,41 @@ def _json_default(obj: Any) -> Any:
     return str(obj)
 
 
+VERSIONED = ("vllm", "mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine", "mooncake-lookout")
+
+
 def machine() -> dict[str, Any]:
+    """Where and what was measured: the docs print it beside every figure drawn from a run."""
     # The load average matters on a shared machine: other work on the cores shows up in every latency.
     return {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform(),
-            "loadavg_at_start": list(os.getloadavg())}
+            "loadavg_at_start": list(os.getloadavg()),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "versions": _versions(), "commit": _commit()}
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for name in VERSIONED:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def _commit() -> str | None:
+    """The checkout's commit (``+dirty`` with local changes), or None outside a git checkout."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
 
 
 def _mode(modes: list[dict[str, Any]], label: str) -> dict[str, Any]:
