@@ -13,13 +13,9 @@ floor, a deadline), the ratio, the bound and "met" or "MISSED".
 
 from __future__ import annotations
 
-import datetime
-import importlib.metadata
 import json
 import math
 import os
-import platform
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +35,7 @@ from mooncake_lookout.connector.bench.report import (
     targets_block,
 )
 from mooncake_lookout.connector.bench.report import ratio as ratio_of
+from mooncake_lookout.connector.rigs.machine import machine
 from mooncake_lookout.connector.rigs.workload import shared_prefix_workload
 from mooncake_lookout.connector.transport.names import UPSTREAM
 
@@ -156,43 +153,6 @@ def _json_default(obj: Any) -> Any:
     return str(obj)
 
 
-VERSIONED = ("vllm", "mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine", "mooncake-lookout")
-
-
-def machine() -> dict[str, Any]:
-    """Where and what was measured: the docs print it beside every figure drawn from a run."""
-    # The load average matters on a shared machine: other work on the cores shows up in every latency.
-    return {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform(),
-            "loadavg_at_start": list(os.getloadavg()),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "versions": _versions(), "commit": _commit()}
-
-
-def _versions() -> dict[str, str]:
-    out = {}
-    for name in VERSIONED:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return out
-
-
-def _commit() -> str | None:
-    """The checkout's commit (``+dirty`` with local changes), or None outside a git checkout."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    try:
-        head = subprocess.run(["git", "-C", root, "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                              text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if head.returncode != 0:
-        return None
-    return head.stdout.strip() + ("+dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
-
-
 def _mode(modes: list[dict[str, Any]], label: str) -> dict[str, Any]:
     return next(m for m in modes if m["label"] == label)
 
@@ -287,6 +247,11 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+REPORT_BLOCKS: tuple[tuple[str, Callable[[dict[str, Any]], list[str]]], ...] = (
+    ("floors", floors_block), ("a", a_block), ("a4", a4_block), ("backends", backends_block), ("b", b_block),
+    ("c", c_block), ("d", d_block), ("e", e_block), ("f", f_block))
+
+
 def format_report(r: dict[str, Any]) -> str:
     """The human-readable report: one block per scenario, then the targets."""
     machine = r["machine"]
@@ -294,11 +259,11 @@ def format_report(r: dict[str, Any]) -> str:
     end = machine.get("loadavg_at_end", [float("nan")])[0]
     lines = [f"mooncake-lookout bench ({'quick' if r['quick'] else 'full'}; {machine['cpus']} CPUs, "
              f"Python {machine['python']}, load average {start:.2f} at start, {end:.2f} at end)", ""]
-    for block in (floors_block(r), a_block(r), a4_block(r), backends_block(r), b_block(r), c_block(r), d_block(r),
-                  e_block(r), f_block(r)):
-        lines += block + [""]
+    for key, block in REPORT_BLOCKS:
+        if key in r:  # a run that did not measure a scenario (an older record, say) just lacks its block
+            lines += block(r) + [""]
     return "\n".join(lines + targets_block(r["targets"]))
 
 
-__all__ = ["A4_K", "AUTO", "BUDGET_US", "FULL", "QUICK", "Sizes", "TARGET_IDS", "format_report", "machine",
-           "run_bench", "targets"]
+__all__ = ["A4_K", "AUTO", "BUDGET_US", "FULL", "QUICK", "REPORT_BLOCKS", "Sizes", "TARGET_IDS", "format_report",
+           "machine", "run_bench", "targets"]
