@@ -20,6 +20,7 @@ from typing import Any
 RUNS_DIR = Path("docs/bench")  # relative to the repository's root
 RUN_FILE = re.compile(r"^run-(\d+)\.json$")
 DEMO_FILE = RUNS_DIR / "demo.txt"  # what `mooncake-lookout demo --duration small` printed (its stdout)
+SOAK_FILE = re.compile(r"^soak-([\w-]+)\.json$")  # `python -m ...rigs.soak --transport T --json` printed
 MISSING = "-"
 
 
@@ -62,6 +63,39 @@ def load_runs(root: Path) -> list[Run]:
             raise ValueError(f"{RUNS_DIR / path.name} is not a bench.json: no {', '.join(missing)}")
         runs.append(Run(number, str(RUNS_DIR / path.name), results))
     return runs
+
+
+@dataclass(frozen=True)
+class Soak:
+    """One committed soak: its transport (from ``soak-T.json``), its path, its report."""
+
+    transport: str
+    path: str
+    results: dict[str, Any]
+
+    @property
+    def load_text(self) -> str:
+        """``a -> b``: the 1-minute load average at the start and at the end of the soak."""
+        m = self.results.get("machine", {})
+        start, end = m.get("loadavg_at_start"), m.get("loadavg_at_end")
+        return f"{num(start[0] if start else None, 2)} -> {num(end[0] if end else None, 2)}"
+
+
+def load_soaks(root: Path) -> list[Soak]:
+    """Every ``soak-T.json`` under ``root / RUNS_DIR``, by transport; ValueError when there is none."""
+    folder = root / RUNS_DIR
+    found = sorted((m.group(1), p) for p in folder.glob("soak-*.json") if (m := SOAK_FILE.match(p.name)))
+    if not found:
+        raise ValueError(f"no committed soak: expected {RUNS_DIR}/soak-pipelined.json (what `python -m "
+                         "mooncake_lookout.connector.rigs.soak --transport pipelined --json` printed)")
+    soaks = []
+    for transport, path in found:
+        results = json.loads(path.read_text())
+        missing = [k for k in ("lookups", "calls_over_bound", "machine") if k not in results]
+        if missing:
+            raise ValueError(f"{RUNS_DIR / path.name} is not a soak report with its machine: no {', '.join(missing)}")
+        soaks.append(Soak(transport, str(RUNS_DIR / path.name), results))
+    return soaks
 
 
 def load_demo(root: Path) -> str:
@@ -117,5 +151,5 @@ def ordered_union(lists: Iterable[Iterable[str]]) -> list[str]:
     return list(seen)
 
 
-__all__ = ["DEMO_FILE", "MISSING", "RUNS_DIR", "RUN_FILE", "Run", "across", "get", "load_demo", "load_runs", "mode",
-           "num", "ordered_union"]
+__all__ = ["DEMO_FILE", "MISSING", "RUNS_DIR", "RUN_FILE", "SOAK_FILE", "Run", "Soak", "across", "get", "load_demo",
+           "load_runs", "load_soaks", "mode", "num", "ordered_union"]

@@ -20,7 +20,10 @@ this module rewrites each (or, with ``--check``, lists the stale ones and exits 
   runs: ``mooncake-lookout bench --out out-K``, copy each ``out-K/bench.json`` to ``docs/bench/run-K.json``
   (remove runs that are not replaced), then run this module;
 * ``demo-output`` (README): the closing table of ``docs/bench/demo.txt``, the committed stdout of
-  ``mooncake-lookout demo --duration small``.
+  ``mooncake-lookout demo --duration small``;
+* ``soak-summary`` (README) and ``soak-table`` (docs/reliability.md): from the committed soaks
+  ``docs/bench/soak-T.json``, what ``python -m mooncake_lookout.connector.rigs.soak --transport T --json``
+  printed (:mod:`~mooncake_lookout.connector.bench.soak_tables`).
 
 Tests run ``--check``, so a block that drifts from its source fails the suite.
 """
@@ -36,8 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mooncake_lookout.connector.bench import doc_tables
-from mooncake_lookout.connector.bench.records import Run, load_demo, load_runs
+from mooncake_lookout.connector.bench import doc_tables, soak_tables
+from mooncake_lookout.connector.bench.records import Run, load_demo, load_runs, load_soaks
 from mooncake_lookout.connector.config import KEYS
 from mooncake_lookout.connector.vllm_version import supported_range
 from mooncake_lookout.metrics import catalogue
@@ -291,6 +294,8 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/bench-results.md", "bench-targets-per-run", _bench(doc_tables.render_targets_per_run)),
     Block("docs/bench-results.md", "bench-scenarios", _bench(doc_tables.render_scenarios)),
     Block("docs/bench-results.md", "bench-reports", _bench(doc_tables.render_reports)),
+    Block("README.md", "soak-summary", lambda root: soak_tables.render_soak_summary(load_soaks(root))),
+    Block("docs/reliability.md", "soak-table", lambda root: soak_tables.render_soak_table(load_soaks(root))),
 )
 
 
