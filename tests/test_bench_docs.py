@@ -99,7 +99,7 @@ def test_every_target_a_run_lists_is_rendered_with_its_what_and_bound() -> None:
         assert f"({t['id']}) {t['what']}" in summary
         assert f"| {t['id']} | {t['what']} |" in per_run
         assert t["bound"] in summary and t["bound"] in per_run
-    assert "0.05 (3.00 vs 60.0 keys): met" in summary
+    assert "3.00 vs 60.0 keys, ratio 0.05: met" in summary
     assert "| g | multi-turn" in per_run and "**missed**" not in per_run.split("| g |")[1].splitlines()[0]
 
 

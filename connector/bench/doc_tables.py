@@ -71,7 +71,7 @@ def _reference(t: dict[str, Any]) -> Any:
 def _verdict(t: dict[str, Any] | None) -> str:
     if t is None:
         return MISSING
-    return (f"{num(t.get('ratio'), 2)} ({num(t.get('ours'))} vs {num(_reference(t))} {t.get('unit', '')}): "
+    return (f"{num(t.get('ours'))} vs {num(_reference(t))} {t.get('unit', '')}, ratio {num(t.get('ratio'), 2)}: "
             + ("met" if t.get("met") else "**missed**"))
 
 
@@ -86,7 +86,7 @@ def render_targets_summary(runs: Sequence[Run]) -> str:
         met = sum(1 for t in judged if t.get("met"))
         rows.append([f"({id_}) {latest['what']}", latest.get("bound", ""), *[_verdict(t.get(id_)) for t in per_run],
                      f"{met} of {len(judged)}"])
-    head = ["target (ratio = ours / reference)", "bound", *[f"run {r.number} ({r.kind})" for r in runs], "met in"]
+    head = ["target (ours vs reference, ratio)", "bound", *[f"run {r.number} ({r.kind})" for r in runs], "met in"]
     return "\n".join(_table(head, rows)) + "\n"
 
 
@@ -178,7 +178,8 @@ def render_guarantees(runs: Sequence[Run]) -> str:
     rows = [
         ["blocking call (`lookup_async: false`)",
          "returns by `lookup_timeout_ms` after the call: it waits for its answer at most that long, then answers a "
-         "miss counted as `timeout`",
+         "miss counted as `timeout` (if the store was wiped while the answer was on its way, it asks once more, "
+         "under a new bound)",
          f"store stopped (scenario e): longest blocking call {across(runs, _stopped_ours_ms, 1, 'ms')} at a "
          f"{_deadline_ms(runs)} ms deadline (vLLM's client: {_upstream_stopped(runs)}); healthy store, {c}, "
          f"`ours sync`: {tail('ours sync')}"],
