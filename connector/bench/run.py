@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from mooncake_lookout.connector.bench.report import (
     targets_block,
 )
 from mooncake_lookout.connector.bench.report import ratio as ratio_of
+from mooncake_lookout.connector.rigs.machine import machine
 from mooncake_lookout.connector.rigs.workload import shared_prefix_workload
 from mooncake_lookout.connector.transport.names import UPSTREAM
 
@@ -153,12 +153,6 @@ def _json_default(obj: Any) -> Any:
     return str(obj)
 
 
-def machine() -> dict[str, Any]:
-    # The load average matters on a shared machine: other work on the cores shows up in every latency.
-    return {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform(),
-            "loadavg_at_start": list(os.getloadavg())}
-
-
 def _mode(modes: list[dict[str, Any]], label: str) -> dict[str, Any]:
     return next(m for m in modes if m["label"] == label)
 
@@ -253,6 +247,11 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+REPORT_BLOCKS: tuple[tuple[str, Callable[[dict[str, Any]], list[str]]], ...] = (
+    ("floors", floors_block), ("a", a_block), ("a4", a4_block), ("backends", backends_block), ("b", b_block),
+    ("c", c_block), ("d", d_block), ("e", e_block), ("f", f_block))
+
+
 def format_report(r: dict[str, Any]) -> str:
     """The human-readable report: one block per scenario, then the targets."""
     machine = r["machine"]
@@ -260,11 +259,11 @@ def format_report(r: dict[str, Any]) -> str:
     end = machine.get("loadavg_at_end", [float("nan")])[0]
     lines = [f"mooncake-lookout bench ({'quick' if r['quick'] else 'full'}; {machine['cpus']} CPUs, "
              f"Python {machine['python']}, load average {start:.2f} at start, {end:.2f} at end)", ""]
-    for block in (floors_block(r), a_block(r), a4_block(r), backends_block(r), b_block(r), c_block(r), d_block(r),
-                  e_block(r), f_block(r)):
-        lines += block + [""]
+    for key, block in REPORT_BLOCKS:
+        if key in r:  # a run that did not measure a scenario (an older record, say) just lacks its block
+            lines += block(r) + [""]
     return "\n".join(lines + targets_block(r["targets"]))
 
 
-__all__ = ["A4_K", "AUTO", "BUDGET_US", "FULL", "QUICK", "Sizes", "TARGET_IDS", "format_report", "machine",
-           "run_bench", "targets"]
+__all__ = ["A4_K", "AUTO", "BUDGET_US", "FULL", "QUICK", "REPORT_BLOCKS", "Sizes", "TARGET_IDS", "format_report",
+           "machine", "run_bench", "targets"]

@@ -17,13 +17,13 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from mooncake_lookout.connector.cli.serve_security import ServeRefused, add_security_arguments, server_security
 from mooncake_lookout.connector.cli.serve_vllm_layout import (
     LayoutError,
     add_vllm_layout_arguments,
     read_layout,
     vllm_layout_backend,
 )
-from mooncake_lookout.connector.cli.serve_security import ServeRefused, add_security_arguments, server_security
 from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.server.observer import ServerObserver
 

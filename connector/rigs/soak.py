@@ -38,6 +38,7 @@ from mooncake_lookout.connector.client import LookupClient
 from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.events import LookupRecord, NullObserver, Outcome
 from mooncake_lookout.connector.job import LookupResult
+from mooncake_lookout.connector.rigs.machine import load_average, machine
 from mooncake_lookout.connector.rigs.master import EmbeddedMaster
 from mooncake_lookout.connector.rigs.server_process import ServerProcess
 from mooncake_lookout.connector.rigs.workload import WorkloadRequest, shared_prefix_workload
@@ -621,11 +622,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--master-kills", type=int, default=1)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)
+    started = machine()
     report = run_soak(args.lookups, transport=args.transport, seed=args.seed, fault_rate=args.fault_rate,
                       timeout_ms=args.timeout_ms, master_kills=args.master_kills,
                       progress=lambda s: print(s, file=sys.stderr, flush=True))
-    if args.json:
-        print(json.dumps({k: v for k, v in asdict(report).items()}, indent=2))
+    if args.json:  # with the run's settings and machine: the docs print them beside its figures
+        settings = {"seed": args.seed, "fault_rate": args.fault_rate, "master_kills": args.master_kills}
+        print(json.dumps({**asdict(report), "settings": settings,
+                          "machine": {**started, "loadavg_at_end": load_average()}}, indent=2))
     else:
         print(report.as_text())
     return 0 if report.ok else 1

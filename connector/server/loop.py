@@ -224,7 +224,7 @@ class LookupServer:
         busy = 0
         for _ in range(RECV_BURST):
             # EVENTS before each read: ending on ``zmq.Again`` costs an exception per batch (~10 us here).
-            if not sock.getsockopt(_EVENTS) & _POLLIN:
+            if not cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
                 break
             try:
                 frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=copy)

@@ -32,7 +32,7 @@ import logging
 import select
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import zmq
 
@@ -350,7 +350,7 @@ class PipelinedTransport(Transport):
 
 def _readable(sock: zmq.Socket) -> bool:
     """True if a reply waits on ``sock`` (reading EVENTS also re-arms its edge-triggered descriptor)."""
-    return bool(sock.getsockopt(_EVENTS) & _POLLIN)
+    return bool(cast(int, sock.getsockopt(_EVENTS)) & _POLLIN)
 
 
 __all__ = ["PipelinedTransport"]
