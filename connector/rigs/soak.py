@@ -21,6 +21,7 @@ import array
 import collections
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import random
@@ -447,6 +448,7 @@ def run_soak(lookups: int = 100_000, *, transport: str = PIPELINED, seed: int = 
         rig.client.observers.add(tally)
         rig.store(work, lambda r: plan.stored_blocks())
         probe = next(r for r in work if rig.truth(r.num_tokens, r.block_hashes) > 0)
+        gc.freeze()  # as vLLM's engine does once started (rigs/scheduler_driver.freeze_startup_heap)
         while track.done < lookups:
             track.rounds += 1
             if track.rss0 is None and track.done >= min(lookups // 20, 5000):
