@@ -128,7 +128,10 @@ class LookupClient:
     def lookup(self, req_id: str, num_tokens: int, block_hashes: Sequence[bytes], non_block: bool = False,
                *, trace_headers: Mapping[str, str] | None = None) -> LookupResult | None:
         """The hit for ``req_id``, or ``None`` while it is pending (``non_block``: ask again on a later step)."""
-        called = time.perf_counter()
+        return self._lookup(req_id, num_tokens, block_hashes, non_block, trace_headers, time.perf_counter())
+
+    def _lookup(self, req_id: str, num_tokens: int, block_hashes: Sequence[bytes], non_block: bool,
+                trace_headers: Mapping[str, str] | None, called: float) -> LookupResult | None:
         entry = self.start(req_id, num_tokens, block_hashes, trace_headers=trace_headers, admission=non_block)
         if entry is None:  # at the pending bound: answers that came may free room, else ask again next step
             self._tick(non_block)
@@ -151,7 +154,8 @@ class LookupClient:
             # Answered before the store was wiped (a reply read in the same drain told of the wipe): ask again.
             self.observers.answer_dropped(entry.rec, "wiped")
             self._drop(req_id, entry)
-            return None if non_block else self.lookup(req_id, num_tokens, block_hashes, trace_headers=trace_headers)
+            # Asked again within the same call's bound: a blocking call never waits past lookup_timeout_ms.
+            return None if non_block else self._lookup(req_id, num_tokens, block_hashes, False, trace_headers, called)
         if answer is None:
             now = time.perf_counter()
             sent = job.sent_at is not None  # read first: the upstream transport's thread may send it meanwhile

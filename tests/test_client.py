@@ -373,3 +373,58 @@ def test_a_lookup_queued_behind_a_stalled_transport_thread_ends_a_deadline_after
         release.set()
         client.close()
         ctx.destroy(linger=0)
+
+
+def test_a_blocking_call_asked_again_after_a_wipe_keeps_its_own_bound(tmp_path) -> None:
+    """An answer read in the same drain as a reply naming a new store epoch (a wipe) is stale: the lookup is
+    asked again. A blocking call must still return by lookup_timeout_ms after the call, not restart its bound.
+    The server is a FAKE speaking our wire format on a real socket (a wipe landing between two replies of one
+    drain cannot be produced on demand): it holds both frames' replies, sends them together 150 ms in (the
+    blocking lookup's answer in epoch 1, then the other frame's in epoch 2), and never answers again."""
+    import threading
+
+    import zmq
+
+    from mooncake_lookout.connector.job import LookupResult
+    from mooncake_lookout.connector.rigs.soak import SLACK_S
+    from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
+    from mooncake_lookout.connector.wire import pipelined as protocol
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    address = f"ipc://{tmp_path}/fake.sock"
+    router.bind(address)
+    stop = threading.Event()
+
+    def serve() -> None:
+        frames: list[tuple[bytes, Any]] = []
+        while not stop.is_set() and len(frames) < 2:
+            if router.poll(50):
+                peer, *payload = router.recv_multipart()
+                frames.append((peer, protocol.decode_request(payload)))
+        if stop.wait(0.15):
+            return
+        (peer, older), (_, newer) = frames  # the non-blocking lookup's frame, then the blocking one's
+        router.send_multipart([peer, protocol.encode_reply(newer.frame_id, [protocol.result_of(
+            newer.queries[0].lookup_id, LookupResult(4 * BLOCK))], epoch=1)])
+        router.send_multipart([peer, protocol.encode_reply(older.frame_id, [protocol.result_of(
+            older.queries[0].lookup_id, LookupResult(0))], epoch=2)])
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    config = LookupConfig(lookup_transport="pipelined", lookup_timeout_ms=300, lookup_breaker_failures=1000)
+    client = LookupClient(config, PipelinedTransport(address, timeout_s=config.timeout_s))
+    try:
+        hashes = [bytes([3]) * 32] * 5
+        assert client.lookup("other", 5 * BLOCK + 1, [bytes([4]) * 32] * 5, non_block=True) is None
+        t0 = time.perf_counter()
+        result = client.lookup("blocking", 5 * BLOCK + 1, hashes)
+        took = time.perf_counter() - t0
+        assert result.hit_length == 0  # the stale answer was not served; the re-ask was never answered
+        assert took <= config.timeout_s + SLACK_S, f"the call waited {took * 1000:.0f} ms"
+    finally:
+        stop.set()
+        server.join(5.0)
+        client.close()
+        ctx.destroy(linger=0)

@@ -179,7 +179,7 @@ def render_guarantees(runs: Sequence[Run]) -> str:
         ["blocking call (`lookup_async: false`)",
          "returns by `lookup_timeout_ms` after the call: it waits for its answer at most that long, then answers a "
          "miss counted as `timeout` (if the store was wiped while the answer was on its way, it asks once more, "
-         "under a new bound)",
+         "within the same bound)",
          f"store stopped (scenario e): longest blocking call {across(runs, _stopped_ours_ms, 1, 'ms')} at a "
          f"{_deadline_ms(runs)} ms deadline (vLLM's client: {_upstream_stopped(runs)}); healthy store, {c}, "
          f"`ours sync`: {tail('ours sync')}"],
