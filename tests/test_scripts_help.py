@@ -55,7 +55,8 @@ def test_demo_help_lists_every_flag_of_the_demo() -> None:
 
 @pytest.mark.parametrize("script,expect", [("test.sh", "usage: bash scripts/test.sh"),
                                            ("setup.sh", "Installs everything mooncake-lookout needs"),
-                                           ("prereqs.sh", "bash scripts/prereqs.sh --dry-run")])
+                                           ("prereqs.sh", "bash scripts/prereqs.sh --dry-run"),
+                                           ("clean-root.sh", "bash scripts/clean-root.sh --check")])
 def test_other_scripts_help_installs_nothing(script: str, expect: str, tmp_path: Path) -> None:
     done, created = run_script(script, ["--help"], tmp_path)
     assert done.returncode == 0, done.stderr
