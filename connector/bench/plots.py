@@ -14,6 +14,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
 
 
 def _cdf(ax: Any, values_s: Sequence[float], label: str) -> None:
@@ -126,7 +127,7 @@ def long_prompts_plot(f: dict[str, Any], path: str) -> str:
 
 def multi_turn_plot(g: dict[str, Any], path: str) -> str:
     """Per turn, both clients: store keys per lookup and time to answer (sync), every shape (scenario g)."""
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5.5))
     for backend, shapes in g["backends"].items():
         for entry in shapes:
             tag = f"{backend}, {entry['shape']['context_blocks']}-block context"
@@ -140,11 +141,13 @@ def multi_turn_plot(g: dict[str, Any], path: str) -> str:
                                 "time to answer, sync, p50 (us)"), strict=True):
         ax.set_yscale("log")
         ax.set_xlabel("turn")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
-    axes[1].legend(fontsize=7)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=7)
     fig.suptitle("vLLM scheduler: multi-turn conversations")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.04 + 0.03 * ((len(labels) + 1) // 2), 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
