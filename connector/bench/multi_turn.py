@@ -18,11 +18,13 @@ turn:
   count) and answers given with no round trip.
 
 A turn of each conversation arrives one per step; the next turn comes once all are answered and their
-prompts saved (:mod:`.conversations`). Every run has conversations of its own. Our server keeps the
-store's epoch (so the cache is on, as inside vLLM) and the master's lease covers ``lookup_answer_ttl_ms``:
-both are checked, and a run of ours whose cache knew nothing from the second turn on is an error, not a
-figure. With ``layout``, the same runs go through vLLM's own key layout: both servers answer from
-upstream's ``MooncakeStoreWorker`` (ours through ``WorkerBackend``, as inside vLLM's worker).
+prompts saved (:mod:`.conversations`), with no pause between turns: a conversation takes about a second,
+well within ``lookup_answer_ttl_ms`` (a turn re-sent after that asks the store for every block again).
+Every run has conversations of its own. Our server keeps the store's epoch (so the cache is on, as inside
+vLLM) and the master's lease covers ``lookup_answer_ttl_ms``: both are checked, and a run of ours whose
+cache knew nothing from the second turn on is an error, not a figure. With ``layout``, the same runs go
+through vLLM's own key layout: both servers answer from upstream's ``MooncakeStoreWorker`` (ours through
+``WorkerBackend``, as inside vLLM's worker).
 """
 
 from __future__ import annotations
