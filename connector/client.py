@@ -284,13 +284,14 @@ class LookupClient:
         return True
 
     def _tick(self, non_block: bool) -> None:
-        """This step's send and drain, if not done yet: the first call of a step sends every lookup started
-        since the last send and collects every answer that has arrived."""
-        if not (self._stepped and non_block and self._sent_this_step) and self._unsent:
-            self._flush(urgent=not non_block)
+        """This step's drain and send, if not done yet: the first call of a step collects every answer that
+        has arrived, then sends every lookup started since the last send (draining first: a reply cannot be
+        back a few microseconds after its send, and reading the socket right after a send costs most)."""
         if not (self._stepped and self._drained_this_step):
             self._drained_this_step = True
             self.transport.collect()
+        if not (self._stepped and non_block and self._sent_this_step) and self._unsent:
+            self._flush(urgent=not non_block)
 
     def _flush(self, *, urgent: bool = False) -> None:
         """Send every unsent lookup, in one frame where the protocol allows."""
@@ -309,9 +310,9 @@ class LookupClient:
 
     def _await(self, job: LookupJob, non_block: bool, called: float) -> None:
         """Send the step's lookups if due, collect arrived answers, and wait as much as this call may."""
+        self._tick(non_block)
         if job.sent_at is None and job.answer is None and self.budget.left() > 0:
             self._flush(urgent=not non_block)  # a wait is allowed: send now, whatever was sent this step
-        self._tick(non_block)
         now = time.perf_counter()
         if job.answer is None and job.expired(now):
             self.transport.collect()  # its deadline passed since the step's drain: time it out now

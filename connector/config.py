@@ -13,9 +13,12 @@ import dataclasses
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from mooncake_lookout.connector.transport.names import PIPELINED, TRANSPORTS, UPSTREAM
+
+if TYPE_CHECKING:
+    from mooncake_lookout.connector.curve import ClientCurve, ServerCurve
 
 PREFIX = "lookup_"
 # Upstream's own lookup_* key (vLLM 0.33): it names the IPC path of the lookup channel.
@@ -23,6 +26,10 @@ UPSTREAM_KEYS = frozenset({"lookup_rpc_port"})
 _META = "lookout_key"  # where a field keeps its meaning, check and rule (dataclasses field metadata)
 
 _T = TypeVar("_T")
+_FILE_RULE = "'' or a zmq.auth certificate file"
+# CURVE keys that only make sense together: the client's pair of files, the server's.
+_CURVE_PAIRS = (("lookup_curve_server_public_key", "lookup_curve_client_secret_key"),
+                ("lookup_curve_server_secret_key", "lookup_curve_allowed_clients"))
 
 
 class ConfigError(ValueError):
@@ -129,6 +136,19 @@ class LookupConfig:
         "", f"{PIPELINED} transport: ZMQ address of the lookup server; empty derives a private IPC path "
             "from vLLM's config",
         lambda v: v == "" or v.startswith(("ipc://", "tcp://")), "'', ipc://... or tcp://...")
+    lookup_curve_server_public_key: str = _key(
+        "", f"{PIPELINED} transport, client side: the lookup server's CURVE public key, a zmq.auth certificate file "
+            "(`server.key`); with `lookup_curve_client_secret_key` the channel is encrypted and both ends "
+            "authenticated (docs/security.md)", rule=_FILE_RULE)
+    lookup_curve_client_secret_key: str = _key(
+        "", "client side: this client's CURVE key pair, a zmq.auth secret certificate file (`client.key_secret`); "
+            "its public key must be in the server's allow-list", rule=_FILE_RULE)
+    lookup_curve_server_secret_key: str = _key(
+        "", "server side (the worker's lookup server): its CURVE key pair (`server.key_secret`); with "
+            "`lookup_curve_allowed_clients` the server admits only those clients", rule=_FILE_RULE)
+    lookup_curve_allowed_clients: str = _key(
+        "", "server side: the client public keys admitted, a directory of zmq.auth `*.key` files or one such file",
+        rule="'' or a directory or file")
 
     def __post_init__(self) -> None:
         for key in KEYS:
@@ -138,6 +158,47 @@ class LookupConfig:
                     f"kv_connector_extra_config[{key.name!r}] = {value!r} is out of range ({key.rule})"
                 )
             object.__setattr__(self, key.name, value)
+        self._check_curve()
+
+    def _check_curve(self) -> None:
+        """CURVE keys come in pairs per side, for the pipelined transport, from files that hold real keys."""
+        from mooncake_lookout.connector.curve import CurveKeyError, load_allowed_keys, load_key_pair, load_public_key
+
+        loaders = {"lookup_curve_server_public_key": load_public_key, "lookup_curve_client_secret_key": load_key_pair,
+                   "lookup_curve_server_secret_key": load_key_pair, "lookup_curve_allowed_clients": load_allowed_keys}
+        for name, load in loaders.items():
+            path = getattr(self, name)
+            if not path:
+                continue
+            if self.lookup_transport != PIPELINED:
+                raise ConfigError(f"kv_connector_extra_config[{name!r}]: CURVE keys secure the {PIPELINED} "
+                                  f"transport only (lookup_transport is {self.lookup_transport!r})")
+            try:
+                load(path)
+            except (CurveKeyError, OSError, ValueError) as e:
+                raise ConfigError(f"kv_connector_extra_config[{name!r}]: {e}") from None
+        for pair in _CURVE_PAIRS:
+            given = [name for name in pair if getattr(self, name)]
+            if len(given) == 1:
+                (missing,) = set(pair) - set(given)
+                raise ConfigError(f"kv_connector_extra_config[{given[0]!r}] needs {missing!r} too (CURVE keys "
+                                  "come in pairs: the peer's key and this end's)")
+
+    def client_curve(self) -> ClientCurve | None:
+        """The client's CURVE keys, read from their files (None: no CURVE)."""
+        from mooncake_lookout.connector.curve import ClientCurve
+
+        if not self.lookup_curve_client_secret_key:
+            return None
+        return ClientCurve.from_files(self.lookup_curve_server_public_key, self.lookup_curve_client_secret_key)
+
+    def server_curve(self) -> ServerCurve | None:
+        """The worker's lookup server's CURVE keys, read from their files (None: no CURVE)."""
+        from mooncake_lookout.connector.curve import ServerCurve
+
+        if not self.lookup_curve_server_secret_key:
+            return None
+        return ServerCurve.from_files(self.lookup_curve_server_secret_key, self.lookup_curve_allowed_clients)
 
     @property
     def timeout_s(self) -> float:

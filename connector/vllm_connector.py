@@ -92,7 +92,8 @@ class LookoutMooncakeStoreConnector(MooncakeStoreConnector):
 
     def shutdown(self) -> None:
         scheduler = getattr(self, "connector_scheduler", None)
-        if isinstance(scheduler, LookoutMooncakeStoreScheduler):
+        ours = LookoutMooncakeStoreScheduler  # None when this runs from __del__ at interpreter exit
+        if ours is not None and isinstance(scheduler, ours):
             scheduler.close()
         server = getattr(self, "_lookup_server", None)
         if server is not None:

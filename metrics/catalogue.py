@@ -24,7 +24,12 @@ OUTCOMES: tuple[str, ...] = tuple(o.value for o in Outcome)  # the ``outcome`` l
 MODES: tuple[str, ...] = ("sync", "async", "budget")
 DROP_REASONS: tuple[str, ...] = ("expired", "evicted", "wiped")
 CACHE_CLEAR_REASONS: tuple[str, ...] = ("reset", "epoch", "failure")
-SERVER_STATUSES: tuple[str, ...] = ("ok", "error", "bad_request")
+# The ``status`` label of server_requests: ok, error (lookups answered; the store failed), bad_request (malformed
+# frames), busy (lookups turned away: their peer was at its bound, max_peer_lookups), refused (resets from a peer
+# that may not wipe the store: plain TCP). The first four are also the wire's frame statuses (wire/pipelined.py).
+SERVER_BUSY = "busy"
+SERVER_REFUSED = "refused"
+SERVER_STATUSES: tuple[str, ...] = ("ok", "error", "bad_request", SERVER_BUSY, SERVER_REFUSED)
 
 
 @dataclass(frozen=True)
@@ -105,8 +110,10 @@ INFO = _m("info", "gauge", "Lookup configuration, value 1.", ("transport", "look
                                                               "lookup_wait_us", "lookup_wait_auto_share",
                                                               "lookup_timeout_ms", "lookup_max_pending"))
 
-SERVER_REQUESTS = _m("server_requests", "counter", "Frames the lookup server answered, by status.", ("status",),
-                     side="server")
+SERVER_REQUESTS = _m("server_requests", "counter",
+                     "Lookups the lookup server answered, by status: ok, error (the store failed), busy (the peer was "
+                     "at its bound of waiting lookups); and frames it refused: bad_request (malformed), refused (a "
+                     "reset from a peer that may not wipe the store).", ("status",), side="server")
 SERVER_QUEUE_DEPTH = _m("server_queue_depth", "gauge", "Lookups received and not yet answered by the server.",
                         side="server")
 SERVER_INFLIGHT = _m("server_inflight", "gauge", "Store calls the server is running right now.", side="server")
@@ -136,5 +143,5 @@ def all_series_names() -> set[str]:
 
 __all__ = [
     "BY_NAME", "CACHE_CLEAR_REASONS", "CATALOGUE", "DROP_REASONS", "MODES", "MetricSpec", "OUTCOMES", "PREFIX",
-    "SECONDS_BUCKETS", "SERVER_STATUSES", "all_series_names",
+    "SECONDS_BUCKETS", "SERVER_BUSY", "SERVER_REFUSED", "SERVER_STATUSES", "all_series_names",
 ]

@@ -41,11 +41,11 @@ class ServerMetrics(ServerObserver):
         if failed:
             self._store_errors.inc()
 
-    def answered(self, status: str) -> None:
+    def answered(self, status: str, count: int = 1) -> None:
         child = self._status.get(status)
         if child is None:
             child = self._status[status] = self._requests.labels(status)
-        child.inc()
+        child.inc(count)
 
 
 __all__ = ["ServerMetrics"]

@@ -19,11 +19,10 @@ import pytest
 
 from mooncake_lookout.connector.events import NullObserver, Outcome, OutcomeCounter
 from mooncake_lookout.connector.rigs.scheduler_driver import BLOCK_SIZE, SchedulerDriver, make_vllm_config
-from mooncake_lookout.connector.rigs.soak import CallBudget, FaultRig
+from mooncake_lookout.connector.rigs.soak import SLACK_S, CallBudget, FaultRig
 from mooncake_lookout.connector.rigs.workload import WorkloadRequest
 
 TIMEOUT_MS = 100.0
-SLACK_S = 0.005
 _ports = itertools.count(31_000)
 _seeds = itertools.count(1)
 

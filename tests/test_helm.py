@@ -130,9 +130,20 @@ def test_kv_transfer_config_carries_every_lookup_key_and_parses(rendered):
         half_lease = int(pod["metadata"]["annotations"]["mooncake-lookout/master-lease-ms"]) // 2
         lookup = {**connector["lookup"]}
         lookup["lookup_answer_ttl_ms"] = min(lookup["lookup_answer_ttl_ms"], half_lease)
+        if connector["curve"]["secretName"]:  # the mounted key files (tests/test_helm_security.py reads them)
+            lookup.update(curve_paths(connector["curve"]["mountPath"]))
         assert extra == {**connector["extraConfig"], **lookup}, name
-        # The connector's own parser accepts it and reads back the values we set.
-        assert LookupConfig.from_extra_config(extra) == LookupConfig(**lookup), name
+        # The connector's own parser accepts it and reads back the values we set (key files exist only in the pod).
+        no_files = {k: "" for k in curve_paths("")}
+        assert LookupConfig.from_extra_config({**extra, **no_files}) == LookupConfig(**{**lookup, **no_files}), name
+
+
+def curve_paths(mount: str) -> dict[str, str]:
+    """The lookup_curve_* keys the chart sets for CURVE keys mounted at ``mount``."""
+    return {"lookup_curve_server_public_key": f"{mount}/server.key",
+            "lookup_curve_client_secret_key": f"{mount}/client.key_secret",
+            "lookup_curve_server_secret_key": f"{mount}/server.key_secret",
+            "lookup_curve_allowed_clients": f"{mount}/allowed"}
 
 
 def test_async_budget_set_reaches_the_connector(rendered):
@@ -286,12 +297,12 @@ def test_network_policy_lets_only_engines_reach_the_master_rpc_port(rendered):
 
 
 def test_network_policy_monitoring_pod_selector_and_switches(rendered):
-    policy = chart.one(rendered[("pipelined", "1.32.0")], "NetworkPolicy")["spec"]
+    policy = chart.one(rendered[("pipelined", "1.32.0")], "NetworkPolicy", "-master")["spec"]
     metrics_from = next(r["from"] for r in policy["ingress"] if r["ports"][0]["port"] == "metrics")
     monitoring = next(p for p in metrics_from if "namespaceSelector" in p)
     assert monitoring["podSelector"] == values_of("pipelined")["networkPolicy"]["monitoringPodSelector"]
     assert not chart.find(rendered[("monitoring-off", "1.32.0")], "NetworkPolicy")
-    assert not chart.find(rendered[("external-master", "1.32.0")], "NetworkPolicy")
+    assert not chart.find(rendered[("external-master", "1.32.0")], "NetworkPolicy", "-master")
 
 
 def _pod_templates(objects: list[dict[str, Any]]) -> dict[str, dict[str, str]]:

@@ -16,7 +16,10 @@ of the rendered environment and lookup address moved under that folder, and the 
 Kubernetes gives a pod of the rendered Deployment (IPC paths name the host, and a socket path holds at most
 107 characters), shortened by the length of that folder so that every path the host names has its length in the
 pod. An ``ipc://`` path under ``/tmp`` (what
-ci/pipelined-values.yaml once set) is refused there exactly as in a pod: the last set shows it. Run as a
+ci/pipelined-values.yaml once set) is refused there exactly as in a pod: the last set shows it. A Secret volume
+(CURVE keys, ci/curve-values.yaml) gets real zmq.auth key files as its items name them, with the volume's mode
+and the pod's fsGroup; a TCP lookup address is moved to a free loopback port (tests stay on loopback), and the
+worker's server and the scheduler's client must then meet over CURVE. Run as a
 non-root user (or with an interpreter the pod's uid may not execute, e.g. one under a private home), the test
 cannot switch uid and runs as itself; the /tmp refusal and the private folder still show.
 """
@@ -34,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from mooncake_lookout.connector.curve import create_key_files
 
 import chart  # helm/tools/chart.py (conftest puts helm/tools on sys.path)
 
@@ -86,6 +91,7 @@ for name, job in jobs.items():
             ours = serve_pipelined(cfg, config, upstream.worker)
             stops.append(ours.close)
             result["ours"] = ours.address
+            result["curve"] = ours.curve is not None
         client = LookupClient.from_vllm_config(cfg)  # what the scheduler builds from the same config
         stops.append(client.close)
         deadline, n, hit = time.monotonic() + 10.0, 0, 0
@@ -110,8 +116,9 @@ def engine_pod(objects: list[dict[str, Any]]) -> dict[str, Any]:
     return chart.one(objects, "Deployment", "-engine")["spec"]["template"]["spec"]
 
 
-def build_pod_root(root: Path, pod: dict[str, Any], gid: int | None) -> None:
-    """Lay out the engine pod's filesystem under ``root``: the image's /tmp and every volume as Kubernetes mounts it."""
+def build_pod_root(root: Path, pod: dict[str, Any], gid: int | None, keys: Path) -> None:
+    """Lay out the engine pod's filesystem under ``root``: the image's /tmp and every volume as Kubernetes mounts it
+    (a Secret's items from the files of the same names in ``keys``)."""
     as_root = os.getuid() == 0
     root.mkdir(mode=0o755)
     (root / "tmp").mkdir()
@@ -128,6 +135,17 @@ def build_pod_root(root: Path, pod: dict[str, Any], gid: int | None) -> None:
                 os.chown(path, 0, gid)
                 mode |= stat.S_ISGID
             os.chmod(path, mode)
+        elif "secret" in volume:  # the kubelet writes each item with the volume's mode, group fsGroup
+            secret = volume["secret"]
+            for item in secret["items"]:
+                target = path / item["path"]
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(keys / item["key"], target)
+                if gid is not None and as_root:
+                    os.chown(target, 0, gid)
+                os.chmod(target, secret.get("defaultMode", 0o644))
+            for folder in [path, *[p for p in path.rglob("*") if p.is_dir()]]:
+                os.chmod(folder, 0o755)
         else:  # configMap, hostPath: not the engine's to write
             os.chmod(path, 0o755)
 
@@ -147,8 +165,14 @@ def job_for(name: str, root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     (container,) = pod["containers"]
     args = container["args"]
     extra = json.loads(args[args.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
-    if extra.get("lookup_server_address"):
+    if extra.get("lookup_server_address", "").startswith("tcp://"):  # tests stay on loopback
+        from mooncake_lookout.connector.rigs.master import free_port
+
+        extra["lookup_server_address"] = f"tcp://127.0.0.1:{free_port()}"
+    elif extra.get("lookup_server_address"):
         extra["lookup_server_address"] = inside(root, extra["lookup_server_address"])
+    for key in [k for k in extra if k.startswith("lookup_curve_") and extra[k]]:
+        extra[key] = inside(root, extra[key])
     env = {e["name"]: inside(root, e["value"]) for e in container["env"] if "value" in e}
     env["TMPDIR"] = str(root / "tmp")  # the image sets none: Python's temp dir is /tmp
     env.setdefault("VLLM_CACHE_ROOT", env["HOME"] + "/.cache/vllm")
@@ -173,12 +197,15 @@ def started(request: pytest.FixtureRequest, mooncake_master: Any) -> dict[str, A
     jobs: dict[str, Any] = {"__master__": mooncake_master.rpc_address}
     roots: dict[str, Path] = {}
     user = None
+    keys = base / "keys"  # what a CURVE Secret holds (ci/curve-values.yaml): real zmq.auth certificates
+    create_key_files(str(keys), "server")
+    create_key_files(str(keys), "client")
     for i, name in enumerate(VALUE_SETS):
         roots[name] = base / str(i)
         job, pod = job_for(name, roots[name])
         security = pod.get("securityContext", {})
         user = (security["runAsUser"], security["runAsGroup"], security.get("fsGroup"))
-        build_pod_root(roots[name], pod, user[2])
+        build_pod_root(roots[name], pod, user[2], keys)
         jobs[name] = job
     uid, gid, fs_group = user
 
@@ -227,7 +254,9 @@ def test_value_set_starts_the_engines_lookup_path(started, name):
     assert result["hit"] == 4 * BLOCK, f"{name}: the scheduler's client got {result['hit']} tokens, not a full hit"
     root = started["roots"][name]
     assert result["upstream"].startswith(f"ipc://{root}/tmp/")  # vLLM's channel in the pod's temp dir
-    if result["transport"] == "pipelined":
+    if result.get("ours", "").startswith("tcp://"):  # a TCP channel: only with CURVE (the hit came over it)
+        assert result["curve"] and result["ours"].startswith("tcp://127.0.0.1:"), result
+    elif result["transport"] == "pipelined":
         # Ours: a socket in a private folder of the engine's uid (0700), derived alike by worker and scheduler.
         path = Path(result["ours"].removeprefix("ipc://"))
         folder = path.parent

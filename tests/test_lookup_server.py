@@ -342,7 +342,7 @@ class _Recorder(ServerObserver):
     def store_call(self, batch_size: int, seconds: float, failed: bool) -> None:
         self.calls.append(("store_call", (batch_size, seconds >= 0, failed)))
 
-    def answered(self, status: str) -> None:
+    def answered(self, status: str, count: int = 1) -> None:
         self.calls.append(("answered", status))
         raise RuntimeError("a broken observer must not break serving")
 

@@ -83,7 +83,7 @@ class Instance:
     def __init__(self, store: Any, namespace: str, **config: Any) -> None:
         self.store = CountingStore(store)
         self.index = PrefixIndex(self.store, BLOCK, namespace)
-        self.server = LookupServer(self.index, "tcp://127.0.0.1:0").start()
+        self.server = LookupServer(self.index).start()  # a private IPC socket: its client may reset
         self.config = LookupConfig(lookup_transport="pipelined", lookup_timeout_ms=5000, **config)
         self.clears = Clears()
         self.client = LookupClient(self.config, PipelinedTransport(self.server.address, timeout_s=5.0),

@@ -1,10 +1,14 @@
 """Security basics, checked on real processes: the standalone server's IPC socket is private (0700 folder,
-0600 socket) and its TCP listener is on loopback unless configured; vLLM's lookup channel lives in a private
-folder; the server enforces its frame and hash-count limits; no raw request id reaches a metric label.
+0600 socket) and its TCP listener is on loopback unless configured; ``serve`` refuses a TCP address beyond
+loopback without CURVE (unless ``--insecure``) and serves CURVE clients when given keys; a ``reset`` over
+plain TCP is refused in both wire formats and the store stays whole, while an IPC client may still wipe it;
+vLLM's lookup channel lives in a private folder; the server enforces its frame and hash-count limits; no raw
+request id reaches a metric label.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import stat
@@ -19,12 +23,18 @@ import pytest
 import zmq
 from prometheus_client import CollectorRegistry, generate_latest
 
+from mooncake_lookout.connector.cli.serve_security import ServeRefused, server_security
 from mooncake_lookout.connector.client import LookupClient
 from mooncake_lookout.connector.config import LookupConfig
+from mooncake_lookout.connector.curve import create_key_files
 from mooncake_lookout.connector.rigs.processes import ChildProcess
 from mooncake_lookout.connector.rigs.server_process import ServerProcess
 from mooncake_lookout.connector.rigs.workload import unique_hashes
-from mooncake_lookout.connector.server.loop import HARD_MAX_MESSAGE_BYTES
+from mooncake_lookout.connector.server import LookupServer
+from mooncake_lookout.connector.server.admission import RESET_REFUSED
+from mooncake_lookout.connector.server.listen import HARD_MAX_MESSAGE_BYTES
+from mooncake_lookout.connector.server.prefix_index import PrefixIndex
+from mooncake_lookout.connector.transport import make_transport
 from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
 from mooncake_lookout.connector.wire import pipelined as protocol
 from mooncake_lookout.connector.wire import upstream as upstream_wire
@@ -115,6 +125,85 @@ def test_a_shared_folder_is_refused(serve, tmp_path) -> None:
     out = "\n".join(s.lines)
     assert s.proc.returncode != 0 and "0700" in out, out
     assert not (shared / "lookup.sock").exists()
+
+
+def test_serve_refuses_an_open_tcp_port_without_curve_in_one_line(serve) -> None:
+    s = serve("--address", "tcp://0.0.0.0:0")  # refused before anything binds
+    assert s.proc.wait(60) == 2
+    (line,) = [ln for ln in s.lines if "mooncake-lookout serve:" in ln]
+    assert "refusing to listen on tcp://0.0.0.0:0 without CURVE" in line and "flood" in line and "--insecure" in line
+    # --insecure lets it past the check: it then tries to bind (a TEST-NET address no interface holds, so nothing
+    # listens beyond loopback here, and the bind error proves the check was passed).
+    s = serve("--address", "tcp://192.0.2.1:0", "--insecure")
+    assert s.proc.wait(60) != 0
+    out = "\n".join(s.lines)
+    assert "refusing" not in out and "192.0.2.1" in out, out
+
+
+def test_serve_with_curve_keys_serves_an_allowed_client_and_lets_it_reset(serve, tmp_path,
+                                                                            prefix_index: PrefixIndex) -> None:
+    server_public, server_secret = create_key_files(str(tmp_path), "server")
+    client_public, client_secret = create_key_files(str(tmp_path), "client")
+    bad = serve("--tcp-port", "0", "--curve-secret-key", server_public, "--curve-allowed-clients", client_public)
+    assert bad.proc.wait(60) == 2 and any("holds no secret key" in ln for ln in bad.lines), bad.lines
+    s = serve("--tcp-port", "0", "--namespace", prefix_index.namespace,
+              "--curve-secret-key", server_secret, "--curve-allowed-clients", client_public)
+    address = s.wait_for("listening on ")
+    hashes = unique_hashes(4, seed=31)
+    prefix_index.store_prefixes([hashes])
+    cfg = LookupConfig(lookup_timeout_ms=2000, lookup_curve_server_public_key=server_public,
+                       lookup_curve_client_secret_key=client_secret)
+    client = LookupClient(cfg, make_transport(cfg, address))
+    try:
+        assert client.lookup("a", 4 * 16 + 1, hashes).hit_length == 4 * 16
+        assert client.reset()
+        assert client.lookup("b", 4 * 16 + 1, hashes).hit_length == 0
+    finally:
+        client.close()
+
+
+def test_only_an_open_tcp_address_without_curve_is_refused(tmp_path) -> None:
+    server_public, server_secret = create_key_files(str(tmp_path), "server")
+    args = argparse.Namespace(curve_secret_key=None, curve_allowed_clients=None, insecure=False,
+                              max_peer_lookups=8, peer_share_keys=16)
+    for address in ("tcp://0.0.0.0:5570", "tcp://*:5570", "tcp://10.1.2.3:5570", "tcp://eth0:5570"):
+        with pytest.raises(ServeRefused, match="without CURVE"):
+            server_security(args, address)
+    for address in (None, "ipc:///run/x/lookup.sock", "tcp://127.0.0.1:5570", "tcp://127.8.0.1:1", "tcp://[::1]:1",
+                    "tcp://localhost:1"):
+        assert server_security(args, address) == {"curve": None, "max_peer_lookups": 8, "share_keys": 16}
+    args.insecure = True
+    assert server_security(args, "tcp://0.0.0.0:5570")["curve"] is None
+    args.insecure, args.curve_secret_key, args.curve_allowed_clients = False, server_secret, server_public
+    assert server_security(args, "tcp://0.0.0.0:5570")["curve"] is not None  # CURVE: no --insecure needed
+    args.curve_allowed_clients = None
+    with pytest.raises(ServeRefused, match="go together"):
+        server_security(args, "tcp://127.0.0.1:5570")
+
+
+def test_a_reset_over_plain_tcp_is_refused_and_the_store_is_untouched(prefix_index: PrefixIndex) -> None:
+    prompts = [unique_hashes(4, seed=40 + i) for i in range(3)]
+    prefix_index.store_prefixes(prompts)
+    cfg = LookupConfig(lookup_timeout_ms=2000)
+    with LookupServer(prefix_index, "tcp://127.0.0.1:0") as server:
+        client = LookupClient(cfg, make_transport(cfg, server.address))
+        try:
+            assert [client.lookup(f"before{i}", 4 * 16 + 1, h).hit_length for i, h in enumerate(prompts)] == [64] * 3
+            assert client.reset() is False  # ours: bad_request, with the reason
+            reply = protocol.decode_reply(_ask(server.address, protocol.encode_reset(9))[0])
+            assert (reply.status, reply.reason) == (protocol.BAD_REQUEST, RESET_REFUSED)
+            assert _ask(server.address, [upstream_wire.RESET_MSG], req_envelope=True)[1] == upstream_wire.RESP_ERR
+            assert [client.lookup(f"after{i}", 4 * 16 + 1, h).hit_length for i, h in enumerate(prompts)] == [64] * 3
+        finally:
+            client.close()
+        assert server.stats.answered_by_status["refused"] == 3
+    with LookupServer(prefix_index) as ipc:  # the same client over IPC may wipe the store
+        client = LookupClient(cfg, make_transport(cfg, ipc.address))
+        try:
+            assert client.reset()
+            assert client.lookup("wiped", 4 * 16 + 1, prompts[0]).hit_length == 0
+        finally:
+            client.close()
 
 
 def test_vllm_lookup_channel_lives_in_a_private_folder(mooncake_master, rpc_base_path) -> None:

@@ -11,7 +11,19 @@ this module rewrites each (or, with ``--check``, lists the stale ones and exits 
 * ``vllm-versions`` (README): the vLLM versions the runtime accepts, from
   :data:`~mooncake_lookout.connector.vllm_version.SUPPORTED_VLLM_VERSIONS`;
 * ``scripts/demo-help.txt`` (a whole file): what ``bash scripts/demo.sh --help`` prints without installing
-  anything, from the ``demo`` subcommand's parser.
+  anything, from the ``demo`` subcommand's parser;
+* the measured figures, from the committed bench runs ``docs/bench/run-N.json`` (one or more ``bench.json``
+  files, :mod:`~mooncake_lookout.connector.bench.records`, rendered by
+  :mod:`~mooncake_lookout.connector.bench.doc_tables`): ``bench-targets`` and ``bench-guarantees`` (README),
+  ``bench-source``, ``bench-modes`` and ``bench-figures`` (docs/tuning.md), ``bench-runs``, ``bench-targets``,
+  ``bench-targets-per-run``, ``bench-scenarios`` and ``bench-reports`` (docs/bench-results.md). To publish new
+  runs: ``mooncake-lookout bench --out out-K``, copy each ``out-K/bench.json`` to ``docs/bench/run-K.json``
+  (remove runs that are not replaced), then run this module;
+* ``demo-output`` (README): the closing table of ``docs/bench/demo.txt``, the committed stdout of
+  ``mooncake-lookout demo --duration small``;
+* ``soak-summary`` (README) and ``soak-table`` (docs/reliability.md): from the committed soaks
+  ``docs/bench/soak-T.json``, what ``python -m mooncake_lookout.connector.rigs.soak --transport T --json``
+  printed (:mod:`~mooncake_lookout.connector.bench.soak_tables`).
 
 Tests run ``--check``, so a block that drifts from its source fails the suite.
 """
@@ -27,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mooncake_lookout.connector.bench import doc_tables, soak_tables
+from mooncake_lookout.connector.bench.records import Run, load_demo, load_runs, load_soaks
 from mooncake_lookout.connector.config import KEYS
 from mooncake_lookout.connector.vllm_version import supported_range
 from mooncake_lookout.metrics import catalogue
@@ -255,6 +269,11 @@ class Block:
     render: Callable[[Path], str]  # the repository root -> the block's body
 
 
+def _bench(render: Callable[[list[Run]], str]) -> Callable[[Path], str]:
+    """A block drawn from the committed bench runs of the checkout."""
+    return lambda root: render(load_runs(root))
+
+
 BLOCKS: tuple[Block, ...] = (
     Block("README.md", "config-table", lambda root: render_config_table()),
     Block("README.md", "metrics-table", lambda root: render_metrics_table()),
@@ -264,6 +283,20 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/architecture.md", "package-graph", lambda root: render_package_graph()),
     Block("README.md", "vllm-versions", lambda root: render_vllm_versions()),
     Block("scripts/demo-help.txt", "", lambda root: render_demo_help()),
+    Block("README.md", "demo-output", lambda root: doc_tables.render_demo(load_demo(root))),
+    Block("README.md", "bench-targets", _bench(doc_tables.render_targets_summary)),
+    Block("README.md", "bench-guarantees", _bench(doc_tables.render_guarantees)),
+    Block("docs/tuning.md", "bench-source", _bench(lambda runs: doc_tables.runs_note(runs) + "\n")),
+    Block("docs/tuning.md", "bench-modes", _bench(doc_tables.render_modes)),
+    Block("docs/tuning.md", "bench-figures", _bench(doc_tables.render_tuning_figures)),
+    Block("docs/tuning.md", "bench-multi-turn", _bench(doc_tables.render_multi_turn)),
+    Block("docs/bench-results.md", "bench-runs", _bench(doc_tables.render_runs)),
+    Block("docs/bench-results.md", "bench-targets", _bench(doc_tables.render_targets_summary)),
+    Block("docs/bench-results.md", "bench-targets-per-run", _bench(doc_tables.render_targets_per_run)),
+    Block("docs/bench-results.md", "bench-scenarios", _bench(doc_tables.render_scenarios)),
+    Block("docs/bench-results.md", "bench-reports", _bench(doc_tables.render_reports)),
+    Block("README.md", "soak-summary", lambda root: soak_tables.render_soak_summary(load_soaks(root))),
+    Block("docs/reliability.md", "soak-table", lambda root: soak_tables.render_soak_table(load_soaks(root))),
 )
 
 

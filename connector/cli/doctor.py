@@ -6,7 +6,8 @@ Checks, each reported ``ok`` or ``FAIL`` with the reason and what to do:
   exactly as the connector will at start-up;
 * ``--server``: the lookup server answers lookups in each wire format (``upstream``: vLLM 0.33's
   ``LookupKeyServer`` format, ``pipelined``: ours) within the deadline; the round-trip latency of
-  ``--samples`` probe lookups (a cold prefix: a miss is the expected answer, an error is not);
+  ``--samples`` probe lookups (a cold prefix: a miss is the expected answer, an error is not). With the
+  ``lookup_curve_*`` keys of ``--config``, the pipelined probe uses CURVE; a refused handshake is named;
 * ``--master-metrics``: the Mooncake master's ``/health`` and ``/metrics`` (keys, clients, failures).
 
 Exit code 0 when every check passed, 1 when one failed, 2 when there was nothing to check.
@@ -62,17 +63,26 @@ def check_config(text: str) -> tuple[Finding, LookupConfig | None]:
                                    f"deadline {config.lookup_timeout_ms:g} ms, wait {config.lookup_wait_us} us"), config
 
 
-def probe_server(address: str, wire: str, *, samples: int = 20, timeout_ms: float = 500.0) -> Finding:
-    """``samples`` blocking lookups of a cold prefix over ``wire``; latency, or why there was no answer."""
+def probe_server(address: str, wire: str, *, samples: int = 20, timeout_ms: float = 500.0,
+                 config: LookupConfig | None = None) -> Finding:
+    """``samples`` blocking lookups of a cold prefix over ``wire``; latency, or why there was no answer.
+
+    ``config``: the deployment's settings, for its CURVE keys (pipelined wire)."""
     from mooncake_lookout.connector.client import LookupClient
     from mooncake_lookout.connector.events import Outcome, OutcomeCounter
     from mooncake_lookout.connector.rigs.workload import unique_hashes
-    from mooncake_lookout.connector.transport import make_transport
+    from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
+    from mooncake_lookout.connector.transport.upstream import UpstreamTransport
 
-    config = LookupConfig(lookup_transport=wire, lookup_timeout_ms=timeout_ms, lookup_breaker_failures=10_000)
+    probe = LookupConfig(lookup_transport=wire, lookup_timeout_ms=timeout_ms, lookup_breaker_failures=10_000)
     counter = OutcomeCounter()
     try:
-        client = LookupClient(config, make_transport(config, address), observer=counter)
+        if wire == UPSTREAM:
+            transport: Any = UpstreamTransport(address)
+        else:  # watch the handshake even without CURVE: a CURVE server is then named as the reason
+            curve = config.client_curve() if config is not None else None
+            transport = PipelinedTransport(address, timeout_s=probe.timeout_s, curve=curve, watch_handshakes=True)
+        client = LookupClient(probe, transport, observer=counter)
     except Exception as exc:  # a malformed address fails here (ZMQ refuses it)
         return Finding(f"server {wire} wire", False, f"cannot connect to {address!r}: {exc}")
     hashes = unique_hashes(4, seed=0x0D0C)
@@ -102,6 +112,9 @@ def probe_server(address: str, wire: str, *, samples: int = 20, timeout_ms: floa
     hint = ("nothing answers there: is the lookup server running and is the address right?" if wire == UPSTREAM
             else "no pipelined answer: vLLM's own LookupKeyServer speaks only the upstream wire (then use "
                  "lookup_transport=upstream), or nothing listens there")
+    diagnosis = getattr(transport, "diagnosis", None)
+    if diagnosis:
+        hint = diagnosis
     return Finding(check, False, f"no answer within {timeout_ms:g} ms at {address}; {hint}")
 
 
@@ -142,7 +155,8 @@ def run_doctor(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if address:
         wires = [args.wire] if args.wire else list(TRANSPORTS)
         for wire in wires:
-            findings.append(probe_server(address, wire, samples=args.samples, timeout_ms=args.timeout_ms))
+            findings.append(probe_server(address, wire, samples=args.samples, timeout_ms=args.timeout_ms,
+                                         config=config))
     if args.master_metrics:
         findings += check_master(args.master_metrics)
     if not findings:

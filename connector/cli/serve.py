@@ -17,6 +17,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from mooncake_lookout.connector.cli.serve_security import ServeRefused, add_security_arguments, server_security
 from mooncake_lookout.connector.cli.serve_vllm_layout import (
     LayoutError,
     add_vllm_layout_arguments,
@@ -51,6 +52,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         f"lease is known to cover it (default {ttl:g}; 0: no store epoch, clients cache nothing)")
     p.add_argument("--log-level", default="INFO", help="Python log level (default INFO)")
     add_vllm_layout_arguments(p)
+    add_security_arguments(p)
     p.set_defaults(func=run_serve)
     return p
 
@@ -85,6 +87,11 @@ def run_serve(args: argparse.Namespace) -> int:
     from mooncake_lookout.connector.server.prefix_index import PrefixIndex
     from mooncake_lookout.connector.server.store import MARKER_LOCAL_BUFFER, open_store
 
+    try:
+        security = server_security(args, _listen_address(args))
+    except ServeRefused as e:
+        print(f"mooncake-lookout serve: {e}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -110,7 +117,7 @@ def run_serve(args: argparse.Namespace) -> int:
         window_s = args.lease_window_ms / 1000
         server = stack.enter_context(LookupServer(backend, _listen_address(args), marker=window_s > 0,
                                                   lease_window_s=window_s,
-                                                  observers=_server_observers(args, stack)))
+                                                  observers=_server_observers(args, stack), **security))
         print(f"listening on {server.address}", flush=True)
         stop.wait()
         logger.info("stopping the lookup server")

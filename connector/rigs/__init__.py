@@ -9,6 +9,7 @@ Everything here is real and local (real parts, not mocks), started and stopped b
   in a child process that can be killed, hung and restarted on the same address;
 * :mod:`.faults`: the one injected fault, a slow but healthy store;
 * :mod:`.soak`: :class:`~.soak.FaultRig` and :func:`~.soak.run_soak`, the lookup path under random real faults;
+* :mod:`.machine`: the machine, load average, date, commit and versions a measurement ran with;
 * :mod:`.scheduler_driver`: vLLM's real V1 scheduler on CPU, stepped by hand;
 * :mod:`.workload`: deterministic shared-prefix requests;
 * :mod:`.vllm_lookup_server`: vLLM's own ``LookupKeyServer`` over a prefix index;

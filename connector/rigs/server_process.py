@@ -56,6 +56,9 @@ DELAY_OFF_SIGNAL = signal.SIGUSR2
 # the child before the handler is installed does no harm.
 COUNTS_SIGNAL = signal.SIGWINCH
 COUNTS_PREFIX = "store calls="
+# ServerProcess(server_options=...) names -> the child's flags
+_SERVER_OPTIONS = {"curve_secret_key": "--curve-secret-key", "curve_allowed_clients": "--curve-allowed-clients",
+                   "max_peer_lookups": "--max-peer-lookups", "share_keys": "--share-keys"}
 
 
 def parse_ready_line(line: str) -> dict[str, str]:
@@ -83,6 +86,8 @@ class ServerProcess:
     store delay, active from the start if ``delay_on``; ``reset_delay_ms``, one before each wipe.
     ``store_rpc_timeout_ms`` bounds one store call in the child when the master stalls (None: Mooncake's
     30 s). ``start_timeout_s`` bounds the wait for the ready line (an upstream child imports vLLM: 10-15 s).
+    ``server_options`` (pipelined only): more ``LookupServer`` settings, as ``curve_secret_key`` and
+    ``curve_allowed_clients`` (key files: a CURVE server), ``max_peer_lookups`` and ``share_keys``.
 
     ``layout`` (a :class:`~.vllm_layout.Layout`, block size from ``block_size``): answer for a vLLM
     deployment's keys from upstream's own worker, through a read-only store client; no injected delay.
@@ -103,7 +108,8 @@ class ServerProcess:
                  rpc_port: int = 0, rpc_base_path: str | None = None, block_size: int = 16,
                  delay_ms: float = 0.0, delay_on: bool = False, reset_delay_ms: float = 0.0,
                  store_rpc_timeout_ms: int | None = 1000, start_timeout_s: float = 90.0,
-                 standby: bool = True, layout: Any = None, keep_epoch: bool = False) -> None:
+                 standby: bool = True, layout: Any = None, keep_epoch: bool = False,
+                 server_options: dict[str, Any] | None = None) -> None:
         self.transports = (transports,) if isinstance(transports, str) else tuple(transports)
         unknown = [t for t in self.transports if t not in TRANSPORTS]
         if unknown or not self.transports:
@@ -122,6 +128,10 @@ class ServerProcess:
         self.use_standby = standby
         self.layout = layout  # a vllm_layout.Layout: serve a vLLM deployment's keys, read-only
         self.keep_epoch = keep_epoch
+        self.server_options = dict(server_options or {})
+        unknown_options = set(self.server_options) - set(_SERVER_OPTIONS)
+        if unknown_options:
+            raise ValueError(f"unknown server_options {sorted(unknown_options)}; known: {sorted(_SERVER_OPTIONS)}")
         self.starts = 0
         self.start_seconds: list[float] = []  # from the start call (or the standby's go) until serving
         self._own_dir: str | None = None
@@ -178,6 +188,8 @@ class ServerProcess:
             argv.append("--wait-go")
         if PIPELINED in self.transports:
             argv += ["--address", self.addresses.get(PIPELINED) or self._requested or ""]
+            for name, value in self.server_options.items():
+                argv += [_SERVER_OPTIONS[name], str(value)]
         if UPSTREAM in self.transports:
             argv += ["--rpc-port", str(self.rpc_port)]
             if self.rpc_base_path is not None:
@@ -307,6 +319,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--keep-epoch", action="store_true",
                    help="our server keeps the store's epoch marker (clients' prefix caches on): a store client "
                         "that can put it, and with --vllm-model a worker store that is not read-only")
+    p.add_argument("--curve-secret-key", default=None, help="pipelined: the server's CURVE key pair file")
+    p.add_argument("--curve-allowed-clients", default=None, help="pipelined: the CURVE client keys admitted")
+    p.add_argument("--max-peer-lookups", type=int, default=None, help="pipelined: lookups one peer may have waiting")
+    p.add_argument("--share-keys", type=int, default=None, help="pipelined: keys of one peer per store call")
     p.add_argument("--wait-go", action="store_true",
                    help="standby: import everything, print 'ready', then wait for a line on stdin before serving")
     return p.parse_args(argv)
@@ -324,9 +340,18 @@ def _start_servers(args: argparse.Namespace, backend: Any, worker: Any = None) -
         index = None if worker is not None else backend
         servers[UPSTREAM] = UpstreamLookupServer(index, lookup_vllm_config(args.rpc_port), worker=worker).start()
     if PIPELINED in args.serve:
+        options: dict[str, Any] = {}
+        if args.curve_secret_key:
+            from mooncake_lookout.connector.curve import ServerCurve
+
+            options["curve"] = ServerCurve.from_files(args.curve_secret_key, args.curve_allowed_clients)
+        if args.max_peer_lookups is not None:
+            options["max_peer_lookups"] = args.max_peer_lookups
+        if args.share_keys is not None:
+            options["share_keys"] = args.share_keys
         # Over a deployment's store (``worker``) the server keeps no epoch marker unless asked: it is a write.
-        servers[PIPELINED] = LookupServer(backend, args.address or None,
-                                          marker=worker is None or args.keep_epoch).start()
+        servers[PIPELINED] = LookupServer(backend, args.address or None, marker=worker is None or args.keep_epoch,
+                                          **options).start()
     return servers
 
 

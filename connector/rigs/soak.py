@@ -21,6 +21,7 @@ import array
 import collections
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import random
@@ -38,6 +39,7 @@ from mooncake_lookout.connector.client import LookupClient
 from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.events import LookupRecord, NullObserver, Outcome
 from mooncake_lookout.connector.job import LookupResult
+from mooncake_lookout.connector.rigs.machine import load_average, machine
 from mooncake_lookout.connector.rigs.master import EmbeddedMaster
 from mooncake_lookout.connector.rigs.server_process import ServerProcess
 from mooncake_lookout.connector.rigs.workload import WorkloadRequest, shared_prefix_workload
@@ -74,6 +76,12 @@ def poll_until(condition: Callable[[], bool], timeout_s: float, interval_s: floa
         time.sleep(interval_s)
 
 
+# How far past its deadline a call may end before a test calls it slow: the OS may run a woken thread tens of
+# milliseconds late on a loaded 2-core machine (the suite's own master, servers and clients compete for the
+# cores). A wedge, what upstream's client does when its server stalls, is caught by the hard limits instead.
+SLACK_S = 0.025
+
+
 class CallBudget:
     """Times of calls that must stay within ``timeout_s`` + ``slack_s`` (the acceptance bound).
 
@@ -83,7 +91,7 @@ class CallBudget:
     most ``outliers_allowed`` calls (or one in 2,000, if more) over the bound and none over the hard limit.
     """
 
-    def __init__(self, timeout_s: float, *, slack_s: float = 0.005, hard_factor: float = 2.0,
+    def __init__(self, timeout_s: float, *, slack_s: float = SLACK_S, hard_factor: float = 2.0,
                  outliers_allowed: int = 1) -> None:
         self.bound_s = timeout_s + slack_s
         self.hard_s = hard_factor * timeout_s
@@ -128,7 +136,7 @@ class Violations:
 
     wrong: list[str] = field(default_factory=list)  # hit above what the store holds
     stale: list[str] = field(default_factory=list)  # hit while the store was known empty
-    slow_calls: list[float] = field(default_factory=list)  # lookup() calls over the deadline + 5 ms
+    slow_calls: list[float] = field(default_factory=list)  # lookup() calls over the deadline + SLACK_S
     late_answers: list[float] = field(default_factory=list)  # None (ask again) served past the deadline
     pending_left: list[int] = field(default_factory=list)  # pending lookups after a round ended
 
@@ -328,7 +336,7 @@ class SoakReport:
     wrong_hits: int
     stale_hits: int
     max_call_ms: float
-    calls_over_bound: int  # lookup() calls over the deadline + 5 ms
+    calls_over_bound: int  # lookup() calls over the deadline + slack_ms
     blocking_call_ms: dict[str, float]  # percentiles of blocking (sync-mode) lookup() calls
     max_late_ms: float
     pending_left_rounds: int
@@ -336,6 +344,7 @@ class SoakReport:
     max_recovery_s: float | None
     recoveries_failed: int
     timeout_ms: float
+    slack_ms: float
     ok: bool
     examples: dict[str, list[Any]] = field(default_factory=dict)  # first few violations of each kind
 
@@ -439,6 +448,7 @@ def run_soak(lookups: int = 100_000, *, transport: str = PIPELINED, seed: int = 
         rig.client.observers.add(tally)
         rig.store(work, lambda r: plan.stored_blocks())
         probe = next(r for r in work if rig.truth(r.num_tokens, r.block_hashes) > 0)
+        gc.freeze()  # as vLLM's engine does once started (rigs/scheduler_driver.freeze_startup_heap)
         while track.done < lookups:
             track.rounds += 1
             if track.rss0 is None and track.done >= min(lookups // 20, 5000):
@@ -508,7 +518,7 @@ def _ask(rig: FaultRig, plan: SoakPlan, rid: str, req: WorkloadRequest, rnd: _Ro
     track.max_call = max(track.max_call, t1 - t0)
     if blocking:
         track.blocking_calls.append(t1 - t0)
-    if t1 - t0 > timeout_s + 0.005:
+    if t1 - t0 > timeout_s + SLACK_S:
         rig.violations.slow_calls.append(t1 - t0)
     # The deadline runs from when the lookup was sent (time queued in the client is not the server's). One
     # still queued waits for the lookups ahead of it, as long as the server answers them: the client ends
@@ -551,7 +561,7 @@ def _report(rig: FaultRig, transport: str, tally: Tally, track: _Tracking, timeo
         pending_left_rounds=len(v.pending_left),
         rss_growth_mb=round((rss1 - (track.rss0 or rss1)) / 2**20, 2),
         max_recovery_s=round(max(track.recoveries), 3) if track.recoveries else None,
-        recoveries_failed=track.recoveries_failed, timeout_ms=timeout_ms, ok=False,
+        recoveries_failed=track.recoveries_failed, timeout_ms=timeout_ms, slack_ms=SLACK_S * 1000, ok=False,
         examples={k: list(getattr(v, k))[:5] for k in ("wrong", "stale", "slow_calls", "late_answers",
                                                         "pending_left")})
     report.ok = (v.empty() and track.recoveries_failed == 0 and report.rss_growth_mb < 10
@@ -621,11 +631,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--master-kills", type=int, default=1)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)
+    started = machine()
     report = run_soak(args.lookups, transport=args.transport, seed=args.seed, fault_rate=args.fault_rate,
                       timeout_ms=args.timeout_ms, master_kills=args.master_kills,
                       progress=lambda s: print(s, file=sys.stderr, flush=True))
-    if args.json:
-        print(json.dumps({k: v for k, v in asdict(report).items()}, indent=2))
+    if args.json:  # with the run's settings and machine: the docs print them beside its figures
+        settings = {"seed": args.seed, "fault_rate": args.fault_rate, "master_kills": args.master_kills}
+        print(json.dumps({**asdict(report), "settings": settings,
+                          "machine": {**started, "loadavg_at_end": load_average()}}, indent=2))
     else:
         print(report.as_text())
     return 0 if report.ok else 1

@@ -36,4 +36,27 @@ class BatchLookupBackend(LookupBackend, Protocol):
                     extra_keys: Sequence[str] = ()) -> list[Any]: ...
 
 
-__all__ = ["BatchLookupBackend", "LookupBackend"]
+def failed(result: Any) -> bool:
+    """True when a backend's answer is an error (an exception, or anything but a result)."""
+    return isinstance(result, BaseException) or not hasattr(result, "hit_length")
+
+
+def as_result(result: Any) -> LookupResult | BaseException:
+    """A backend's answer as a result or the error it stands for."""
+    if isinstance(result, BaseException):
+        return result
+    if not hasattr(result, "hit_length"):
+        return RuntimeError(f"backend returned {type(result).__name__}, not a LookupResult")
+    return result
+
+
+def failure_reason(result: Any) -> str:
+    """Why a backend's answer (or a reset's outcome) is a failure, in a few words."""
+    if isinstance(result, Exception):
+        return f"{type(result).__name__}: {result}"
+    if result is False:
+        return "store reported failure"
+    return f"backend returned {type(result).__name__}, not a LookupResult"
+
+
+__all__ = ["BatchLookupBackend", "LookupBackend", "as_result", "failed", "failure_reason"]

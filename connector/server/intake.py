@@ -9,6 +9,7 @@ reply that refuses it (a malformed frame is answered, never dropped, and never r
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Union
 
@@ -26,6 +27,7 @@ class Frame:
     envelope: list[bytes]
     frame_id: int
     queries: list[protocol.Query]
+    keys: int  # store keys answering it asks
 
 
 @dataclass(eq=False)
@@ -47,21 +49,27 @@ class Reset:
 
 @dataclass(eq=False)
 class Refusal:
-    """A message refused as malformed: the reply that says why."""
+    """A message turned away: the reply that says why, the ``server_requests`` status and the lookups it counts."""
 
     envelope: list[bytes]
     reply: bytes
+    status: str = protocol.BAD_REQUEST
+    count: int = 1
 
 
 Work = Union[Frame, UpstreamLookup, Reset]
 
 
-def parse(frames: list[bytes]) -> Work | Refusal:
+def split(frames: Sequence[bytes]) -> tuple[list[bytes], Sequence[bytes]]:
+    """(envelope, payload) of one message: a REQ's identity and empty delimiter, or a DEALER's identity."""
+    if len(frames) >= 2 and frames[1] == b"":
+        return list(frames[:2]), frames[2:]
+    return list(frames[:1]), frames[1:]
+
+
+def parse(frames: Sequence[bytes]) -> Work | Refusal:
     """One message as the work it asks for, or the reply refusing it."""
-    if len(frames) >= 2 and frames[1] == b"":  # REQ envelope: identity, empty delimiter
-        envelope, payload = frames[:2], frames[2:]
-    else:
-        envelope, payload = frames[:1], frames[1:]
+    envelope, payload = split(frames)
     tag = payload[0] if payload else b""
     if tag in (upstream_wire.LOOKUP_MSG, upstream_wire.RESET_MSG):
         return _parse_upstream(envelope, tag, payload[1:])
@@ -71,10 +79,10 @@ def parse(frames: list[bytes]) -> Work | Refusal:
         return Refusal(envelope, protocol.encode_status(e.frame_id, protocol.BAD_REQUEST, e.reason))
     if isinstance(req, protocol.Reset):
         return Reset(envelope, req.frame_id)
-    return Frame(envelope, req.frame_id, req.queries)
+    return Frame(envelope, req.frame_id, req.queries, req.keys)
 
 
-def _parse_upstream(envelope: list[bytes], tag: bytes, rest: list[bytes]) -> Work | Refusal:
+def _parse_upstream(envelope: list[bytes], tag: bytes, rest: Sequence[bytes]) -> Work | Refusal:
     if tag == upstream_wire.RESET_MSG:
         if rest:
             return _refuse_upstream(envelope, "reset takes no payload frames")
@@ -100,4 +108,24 @@ def lookups_in(work: Work) -> int:
     return len(work.queries) if isinstance(work, Frame) else 1
 
 
-__all__ = ["Frame", "Refusal", "Reset", "UpstreamLookup", "Work", "lookups_in", "parse"]
+def keys_in(work: Frame | UpstreamLookup) -> int:
+    """How many keys answering ``work`` asks the store (the blocks its client does not already know)."""
+    return work.keys if isinstance(work, Frame) else len(work.hashes)
+
+
+def query_count(body: bytes) -> int:
+    """How many queries a lookup body holds, read from its msgpack array header alone (1 if unreadable)."""
+    if not body:
+        return 1
+    first = body[0]
+    if 0x91 <= first <= 0x9F:  # fixarray
+        return first & 0x0F
+    if first == 0xDC and len(body) >= 3:  # array 16
+        return max(1, int.from_bytes(body[1:3], "big"))
+    if first == 0xDD and len(body) >= 5:  # array 32
+        return max(1, int.from_bytes(body[1:5], "big"))
+    return 1
+
+
+__all__ = ["Frame", "Refusal", "Reset", "UpstreamLookup", "Work", "keys_in", "lookups_in", "parse", "query_count",
+           "split"]

@@ -13,7 +13,11 @@ malformed frame. This server
 * answers anything malformed, truncated, oversized or of another version with an error reply, then
   keeps serving;
 * fences ``reset``: lookups received before it are answered first, lookups received after it wait until
-  it is done (frames are handled in arrival order), so no lookup straddles a wipe.
+  it is done (frames are handled in arrival order), so no lookup straddles a wipe;
+* decides who gets what (:mod:`.admission`): a bound on each peer's waiting lookups (``busy`` past it), a
+  share of each store call per peer (a flood is spread over turns), and ``reset`` only where a peer may wipe the store
+  (IPC, or CURVE: every peer authenticated). With ``curve`` the socket is a CURVE server and pyzmq's ZAP
+  handler (:mod:`.auth`) admits only the allowed client keys.
 
 Threads: the loop's thread owns the socket. ``close()`` from any thread sets a flag and wakes the loop,
 which closes its own socket. Observers are called on the loop's thread.
@@ -28,15 +32,15 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import zmq
 
 from mooncake_lookout.connector.addresses import prepare_ipc_path
-from mooncake_lookout.connector.job import LookupResult
 from mooncake_lookout.connector.logs import RateLimit
-from mooncake_lookout.connector.server import intake
-from mooncake_lookout.connector.server.backend import LookupBackend
+from mooncake_lookout.connector.server import intake, listen
+from mooncake_lookout.connector.server.admission import DEFAULT_MAX_PEER_LOOKUPS, DEFAULT_SHARE_KEYS, Admission
+from mooncake_lookout.connector.server.backend import LookupBackend, as_result, failed, failure_reason
 from mooncake_lookout.connector.server.epoch import EpochMarker, MarkerStore
 from mooncake_lookout.connector.server.lease import LeaseProbe
 from mooncake_lookout.connector.server.observer import ServerObserver, ServerObserverSet, ServerStats
@@ -44,15 +48,16 @@ from mooncake_lookout.connector.waker import Waker
 from mooncake_lookout.connector.wire import pipelined as protocol
 from mooncake_lookout.connector.wire import upstream as upstream_wire
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from mooncake_lookout.connector.curve import ServerCurve
 
-# ZMQ drops (and disconnects) a peer sending a message above this: a memory guard well above the limits
-# the protocol answers with an error (MAX_BODY_BYTES), so oversized frames still get their error reply.
-HARD_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+logger = logging.getLogger(__name__)
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: pyzmq's enums cost ~1 us per operation
+
 RECV_BURST = 4096  # frames read per turn of the loop before they are answered
+BUSY_BURST = 16  # frames turned away busy per turn: past it the turn answers, so a flood cannot stretch it
 # num_tokens, hashes, blocks the client knows are present, the store's epoch they were found in
 _Query = tuple[int, Sequence[bytes], int, int]
-_HWM = 100_000  # messages queued per peer and direction; past it ZMQ holds off reading (or drops replies)
 
 
 
@@ -61,12 +66,15 @@ class LookupServer:
     """Serves lookups for ``backend`` on ``address`` (``ipc://PATH``, ``tcp://HOST:PORT``; ``None``: a private IPC dir).
 
     ``max_batch_hashes``: the most block hashes asked in one store call (a larger batch is split).
+    ``curve``: serve CURVE clients of its allow-list only. ``max_peer_lookups``: lookups one peer may have
+    waiting (``busy`` past it); ``share_keys``: store keys of one peer per batch (whole frames, at least one).
     Use as a context manager, or call :meth:`start` and :meth:`close`.
     """
 
     def __init__(self, backend: LookupBackend, address: str | None = None, *, max_batch_hashes: int = 65_536,
                  observers: Iterable[ServerObserver] = (), marker: bool = True,
-                 lease_window_s: float | None = None) -> None:
+                 lease_window_s: float | None = None, curve: ServerCurve | None = None,
+                 max_peer_lookups: int = DEFAULT_MAX_PEER_LOOKUPS, share_keys: int = DEFAULT_SHARE_KEYS) -> None:
         self.backend = backend
         # The store's epoch (server/epoch.py): kept when the backend can hold a marker key; with
         # ``lease_window_s``, only once the master's key lease is known to cover it (server/lease.py).
@@ -88,6 +96,9 @@ class LookupServer:
         self._thread: threading.Thread | None = None
         self._stop = False
         self._log_limit = RateLimit(10.0)
+        self.curve = curve
+        self._listener: listen.Listener | None = None
+        self._admission = Admission(max_peer_lookups=max_peer_lookups, share_keys=share_keys, curve=curve is not None)
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
     @property
@@ -108,25 +119,16 @@ class LookupServer:
         if address.startswith("ipc://"):
             self._ipc_path = address.removeprefix("ipc://")
             prepare_ipc_path(self._ipc_path)
-        elif address.startswith("tcp://") and address.endswith(":0"):
-            address = address[:-2] + ":*"
-        ctx = zmq.Context(io_threads=1)
-        sock = ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, HARD_MAX_MESSAGE_BYTES)
-        sock.setsockopt(zmq.SNDHWM, _HWM)
-        sock.setsockopt(zmq.RCVHWM, _HWM)
+        self._admission.resets_allowed = listen.resets_allowed(address, self.curve)
         try:
-            sock.bind(address)
-        except zmq.ZMQError as e:
-            sock.close(linger=0)
-            ctx.term()
+            self._listener = listener = listen.bind_router(address, self.curve)
+        except zmq.ZMQError:
             self._remove_private_dir()
-            raise zmq.ZMQError(e.errno, f"{e.strerror} (addr={address!r})") from None
+            raise
         if self._ipc_path is not None:
             os.chmod(self._ipc_path, 0o600)
-        self._address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._ctx, self._sock = ctx, sock
+        self._address = listener.address
+        self._ctx, self._sock = listener.ctx, listener.sock
         window_s = self._lease_window_s
         if self._marker is not None and window_s is None:
             self._marker.trust()
@@ -138,8 +140,10 @@ class LookupServer:
         self._waker = Waker()
         self._thread = threading.Thread(target=self._loop, name="lookout-server", daemon=True)
         self._thread.start()
-        logger.info("lookup server listening on %s (one store call per batch: %s)", self._address,
-                    "yes" if self._batching else "no, the backend has no lookup_many")
+        logger.info("lookup server listening on %s (one store call per batch: %s; CURVE: %s; reset: %s)",
+                    self._address, "yes" if self._batching else "no, the backend has no lookup_many",
+                    "on" if self.curve is not None else "off",
+                    "allowed" if self._admission.resets_allowed else "refused (plain TCP)")
         return self
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -157,7 +161,8 @@ class LookupServer:
         self._waker.wake()
         self._thread.join(timeout_s)
         if not self._thread.is_alive():
-            assert self._ctx is not None
+            assert self._ctx is not None and self._listener is not None
+            self._listener.stop_auth()
             self._ctx.term()
             self._waker.close()
         else:  # a store call is still running; its socket and descriptor must stay valid until it ends
@@ -165,6 +170,11 @@ class LookupServer:
         if self._ipc_path is not None and os.path.lexists(self._ipc_path):
             os.unlink(self._ipc_path)
         self._remove_private_dir()
+
+    @property
+    def allow_list(self) -> Any:
+        """With CURVE, the allow-list that admits clients (:class:`.auth.AllowList`: ``refused`` counts the others)."""
+        return self._listener.allow_list if self._listener is not None else None
 
     def _remove_private_dir(self) -> None:
         if self._private_dir is not None:
@@ -184,38 +194,51 @@ class LookupServer:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(waker.fd, zmq.POLLIN)
+        admission = self._admission
         while not self._stop:
             try:
-                events = dict(poller.poll(1000))
+                events = dict(poller.poll(0 if admission else 1000))  # work left over: answer it, then look again
                 if waker.fd in events:
                     waker.clear()
-                if sock in events and not self._stop:
-                    self._answer(self._receive())
+                if self._stop:
+                    break
+                if sock in events:
+                    self._receive()
+                if admission:
+                    for batch in admission.take():
+                        self._answer(batch)
+                    self._observe.queue_depth(admission.depth)
             except Exception:  # one bad frame or reply must not stop the server
                 logger.exception("lookup server loop failed")
         # Closing: what is already queued gets an error reply at once, not a client-side timeout.
-        for item in self._receive():
+        self._receive()
+        for item in admission.drain():
             self._refuse(item, "lookup server shutting down")
         sock.close(linger=0)
 
-    def _receive(self) -> list[intake.Work]:
-        """Every frame that is ready (up to :data:`RECV_BURST`), validated, in arrival order."""
-        sock = self._sock
+    def _receive(self) -> None:
+        """Take in every frame that is ready (up to :data:`RECV_BURST`, or :data:`BUSY_BURST` turned away busy)."""
+        sock, admission = self._sock, self._admission
         assert sock is not None
-        work: list[intake.Work] = []
+        copy = not admission.curve  # a CURVE frame carries its peer's key: read it as a zmq.Frame
+        busy = 0
         for _ in range(RECV_BURST):
+            # EVENTS before each read: ending on ``zmq.Again`` costs an exception per batch (~10 us here).
+            if not cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
+                break
             try:
-                frames = sock.recv_multipart(flags=zmq.NOBLOCK)
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=copy)
             except zmq.Again:
                 break
-            item = intake.parse(frames)
-            if isinstance(item, intake.Refusal):
-                self._observe.answered("bad_request")
-                self._send(item.envelope, item.reply)
-            else:
-                work.append(item)
-        self._observe.queue_depth(sum(intake.lookups_in(w) for w in work))
-        return work
+            refusal = admission.take_in(frames)
+            if refusal is not None:
+                self._observe.answered(refusal.status, refusal.count)
+                self._send(refusal.envelope, refusal.reply)
+                if refusal.status == protocol.BUSY:
+                    busy += 1
+                    if busy >= BUSY_BURST:
+                        break
+        self._observe.queue_depth(admission.depth)
 
     # -- answering -------------------------------------------------------------------------------------------
     def _answer(self, work: list[intake.Work]) -> None:
@@ -242,7 +265,6 @@ class LookupServer:
         results: list[Any] = []
         for chunk in self._chunks(queries):
             results.extend(self._call_store(chunk))
-        self._observe.queue_depth(0)
         at = 0
         for item in items:
             if isinstance(item, intake.Frame):
@@ -250,14 +272,14 @@ class LookupServer:
                 answers = results[at:at + n]
                 at += n
                 for answer in answers:
-                    self._observe.answered("error" if _failed(answer) else "ok")
+                    self._observe.answered("error" if failed(answer) else "ok")
                 self._send(item.envelope, protocol.encode_reply(
-                    item.frame_id, [protocol.result_of(q.lookup_id, _as_result(a))
+                    item.frame_id, [protocol.result_of(q.lookup_id, as_result(a))
                                     for q, a in zip(item.queries, answers)], self.epoch))
             else:
                 answer = results[at]
                 at += 1
-                if _failed(answer):
+                if failed(answer):
                     self._observe.answered("error")
                     self._send(item.envelope, upstream_wire.RESP_ERR)
                 else:
@@ -305,7 +327,7 @@ class LookupServer:
             results = [e] * len(queries)
         seconds = time.perf_counter() - t0
         self._observe.inflight(0)
-        self._observe.store_call(len(queries), seconds, any(_failed(r) for r in results))
+        self._observe.store_call(len(queries), seconds, any(failed(r) for r in results))
         return results
 
     def _ask_batch(self, queries: list[_Query]) -> list[Any]:
@@ -340,14 +362,14 @@ class LookupServer:
         failed = isinstance(outcome, Exception) or outcome is False
         self._observe.store_call(1, time.perf_counter() - t0, failed)
         if failed:
-            logger.error("store reset failed: %s", _reason(outcome))
+            logger.error("store reset failed: %s", failure_reason(outcome))
         elif self._marker is not None:
             self._marker.renew()  # the wipe took the marker with it: a new epoch for every client
         self._observe.answered("error" if failed else "ok")
         if item.frame_id is None:
             self._send(item.envelope, upstream_wire.RESP_ERR if failed else upstream_wire.RESP_OK)
         elif failed:
-            self._send(item.envelope, protocol.encode_status(item.frame_id, protocol.ERROR, _reason(outcome),
+            self._send(item.envelope, protocol.encode_status(item.frame_id, protocol.ERROR, failure_reason(outcome),
                                                              self.epoch))
         else:
             self._send(item.envelope, protocol.encode_status(item.frame_id, protocol.OK, epoch=self.epoch))
@@ -367,26 +389,6 @@ class LookupServer:
             self._sock.send_multipart([*envelope, payload], flags=zmq.NOBLOCK)
         except zmq.ZMQError as e:  # the peer is gone or slow: its reply is lost, the server goes on
             logger.debug("dropping a reply: %s", e)
-
-
-def _failed(result: Any) -> bool:
-    return isinstance(result, BaseException) or not hasattr(result, "hit_length")
-
-
-def _as_result(result: Any) -> LookupResult | BaseException:
-    if isinstance(result, BaseException):
-        return result
-    if not hasattr(result, "hit_length"):
-        return RuntimeError(f"backend returned {type(result).__name__}, not a LookupResult")
-    return result
-
-
-def _reason(result: Any) -> str:
-    if isinstance(result, Exception):
-        return f"{type(result).__name__}: {result}"
-    if result is False:
-        return "store reported failure"
-    return f"backend returned {type(result).__name__}, not a LookupResult"
 
 
 __all__ = ["LookupServer"]

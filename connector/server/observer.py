@@ -17,7 +17,8 @@ class ServerObserver:
     """Hooks for the server's telemetry, all called on the loop's thread; override what you need.
 
     ``status`` values are ``metrics.catalogue.SERVER_STATUSES``: ``ok`` (hits and misses), ``error``
-    (the store failed), ``bad_request`` (the frame was refused).
+    (the store failed), ``bad_request`` (the frame was refused as malformed), ``busy`` (its peer was at its
+    bound of waiting lookups), ``refused`` (a reset from a peer that may not wipe the store).
     """
 
     def queue_depth(self, depth: int) -> None:
@@ -29,8 +30,8 @@ class ServerObserver:
     def store_call(self, batch_size: int, seconds: float, failed: bool) -> None:
         """One store call ended (``failed``: it raised or returned an error for some lookup)."""
 
-    def answered(self, status: str) -> None:
-        """One lookup (or reset, or refused frame) was answered."""
+    def answered(self, status: str, count: int = 1) -> None:
+        """``count`` lookups (or a reset, or a malformed frame) were answered with ``status``."""
 
 
 @dataclass
@@ -57,8 +58,8 @@ class ServerStats(ServerObserver):
         self.max_batch = max(self.max_batch, batch_size)
         self.store_errors += failed
 
-    def answered(self, status: str) -> None:
-        self.answered_by_status[status] += 1
+    def answered(self, status: str, count: int = 1) -> None:
+        self.answered_by_status[status] += count
 
 
 class ServerObserverSet(FanOut, ServerObserver):

@@ -317,13 +317,19 @@ def serve_pipelined(vllm_config: Any, config: LookupConfig, worker: Any) -> Any:
     if worker is None or getattr(worker, "lookup_server", None) is None:
         return None
     from mooncake_lookout.connector.addresses import pipelined_lookup_address
+    from mooncake_lookout.connector.config import ConfigError
+    from mooncake_lookout.connector.server.listen import exposure
     from mooncake_lookout.connector.server.loop import LookupServer
 
+    address, curve = pipelined_lookup_address(vllm_config, config), config.server_curve()
+    risk = exposure(address, curve, "set lookup_curve_server_secret_key and lookup_curve_allowed_clients")
+    if risk is not None:  # the same rule as ``serve``, with no --insecure: a worker never serves an open port
+        raise ConfigError(f"kv_connector_extra_config['lookup_server_address']: {risk}")
     # Clients cache found blocks for lookup_answer_ttl_ms: the server keeps an epoch (lets them) only once
     # the master's key lease is known to cover that (server/lease.py, checked on a thread of its own).
     caching = config.lookup_prefix_cache_blocks > 0
-    server = LookupServer(WorkerBackend(worker), pipelined_lookup_address(vllm_config, config), marker=caching,
-                          lease_window_s=config.answer_ttl_s)
+    server = LookupServer(WorkerBackend(worker), address, marker=caching, lease_window_s=config.answer_ttl_s,
+                          curve=curve)
     server.start()
     logger.info("mooncake-lookout pipelined lookup server on %s", server.address)
     return server

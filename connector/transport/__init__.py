@@ -3,7 +3,8 @@
 * :mod:`.base`: the :class:`Transport` contract (``submit`` never blocks; sockets live on the
   transport's own thread; every job is finished by its deadline) and :class:`TransportClosed`;
 * :mod:`.names`: the transport names, spelled once;
-* :mod:`.pipelined`: many lookups in flight over DEALER/ROUTER to our lookup server;
+* :mod:`.pipelined`: many lookups in flight over DEALER/ROUTER to our lookup server (CURVE over TCP, with
+  :mod:`.handshake` explaining a refused handshake);
 * :mod:`.upstream`: vLLM 0.33's REQ/REP channel, one lookup at a time, made deadline-bound.
 
 :func:`make_transport` builds the one a configuration names; the transports themselves are imported
@@ -26,7 +27,7 @@ def make_transport(config: LookupConfig, address: str) -> Transport:
     if config.lookup_transport == PIPELINED:
         from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
 
-        return PipelinedTransport(address, timeout_s=config.timeout_s)
+        return PipelinedTransport(address, timeout_s=config.timeout_s, curve=config.client_curve())
     from mooncake_lookout.connector.transport.upstream import UpstreamTransport
 
     return UpstreamTransport(address)

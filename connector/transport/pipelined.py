@@ -14,7 +14,13 @@ Failure handling:
   looks dead or wedged: the DEALER is closed and rebuilt ("lazy pirate"), which drops requests queued for
   the old connection, so a restarted server is reached again;
 * a server ``error`` becomes ``Outcome.ERROR`` with its reason (a store error is not a miss); a frame the
-  server refused fails each of its lookups with the server's reason.
+  server refused (``bad_request``) or turned away (``busy``: this client is over its share of the server)
+  fails each of its lookups with the server's reason.
+
+CURVE (``curve``, over TCP): the socket encrypts and authenticates with the keys given, set once when it
+is built, so a lookup's path is the same with or without it. A server that refuses the handshake answers
+nothing; then, on the slow path only (a silent server), :mod:`.handshake` reads why from the socket's
+monitor and the warning says it (``diagnosis`` keeps it for ``doctor``).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import logging
 import select
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, cast
 
 import zmq
 
@@ -33,9 +40,15 @@ from mooncake_lookout.connector.events import Outcome
 from mooncake_lookout.connector.job import Answer, LookupJob
 from mooncake_lookout.connector.logs import RateLimit
 from mooncake_lookout.connector.transport.base import Transport, TransportClosed
+from mooncake_lookout.connector.transport.handshake import HandshakeWatch
 from mooncake_lookout.connector.wire import pipelined as protocol
 
+if TYPE_CHECKING:
+    from mooncake_lookout.connector.curve import ClientCurve
+
 logger = logging.getLogger(__name__)
+# Plain ints: pyzmq's constants are enums, and an enum operation costs about a microsecond on the hot path.
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 _HWM = 100_000
 _FD_SETSIZE = 1024  # select() cannot watch a higher descriptor
@@ -46,13 +59,15 @@ class PipelinedTransport(Transport):
 
     ``address``: a ZMQ endpoint (``ipc://...`` or ``tcp://127.0.0.1:PORT``). ``timeout_s``: how long the
     server may stay silent while a lookup waits before the socket is rebuilt (each lookup keeps its own
-    deadline). Use from one thread only.
+    deadline). ``curve``: CURVE keys for a server that requires them. ``watch_handshakes``: keep the socket's
+    monitor to explain a refused handshake (default: with CURVE). Use from one thread only.
     """
 
     name = "pipelined"
 
     def __init__(self, address: str, *, timeout_s: float, on_late_reply: Callable[[], None] | None = None,
-                 on_rebuild: Callable[[], None] | None = None) -> None:
+                 on_rebuild: Callable[[], None] | None = None, curve: ClientCurve | None = None,
+                 watch_handshakes: bool | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.late_replies = 0
@@ -73,6 +88,10 @@ class PipelinedTransport(Transport):
         self._ctx = zmq.Context(io_threads=1)
         self._sock: zmq.Socket | None = None
         self._fd = -1
+        self._curve = curve
+        self._watch_handshakes = curve is not None if watch_handshakes is None else watch_handshakes
+        self._handshakes: HandshakeWatch | None = None
+        self.diagnosis: str | None = None  # why the server answered nothing, when a handshake said so
 
     @property
     def in_flight(self) -> int:
@@ -86,6 +105,10 @@ class PipelinedTransport(Transport):
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, _HWM)
             sock.setsockopt(zmq.RCVHWM, _HWM)
+            if self._curve is not None:
+                self._curve.apply(sock)
+            if self._watch_handshakes:
+                self._handshakes = HandshakeWatch(sock, curve=self._curve is not None)
             sock.connect(self.address)
             self._sock, self._fd = sock, int(sock.getsockopt(zmq.FD))
         return self._sock
@@ -180,7 +203,9 @@ class PipelinedTransport(Transport):
     def _drain(self) -> None:
         sock = self._sock
         assert sock is not None
-        while True:
+        # Ask EVENTS before each read: ending a drain on ``zmq.Again`` costs an exception (~10 us here), and a
+        # step drains once even when nothing came.
+        while _readable(sock):
             try:
                 frames = sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
@@ -200,6 +225,9 @@ class PipelinedTransport(Transport):
     def _accept(self, reply: protocol.Reply) -> None:
         if reply.frame_id in self._resets:
             self._resets[reply.frame_id] = reply.status == protocol.OK
+            if reply.status != protocol.OK:  # a wipe refused or failed: the caller only gets False, so say why here
+                logger.warning("lookup server at %s did not reset the store: %s: %s", self.address, reply.status,
+                               reply.reason)
             self._epoch(reply.epoch, self._reset_sent.get(reply.frame_id, time.perf_counter()))
             return
         carried = self._frames.pop(reply.frame_id, None)
@@ -248,9 +276,13 @@ class PipelinedTransport(Transport):
                 silent_expiry = True
             job.finish(Answer(Outcome.TIMEOUT, error="no reply before the deadline"))
         if silent_expiry and now - self._last_reply >= min(self.timeout_s, 1.0):
+            diagnosis = self._handshakes.diagnose() if self._handshakes is not None else None
+            if diagnosis is not None:
+                self.diagnosis = diagnosis
             if self._log_limit.allow(now):
-                logger.warning("lookup server at %s silent for %.3f s: rebuilding the socket (%d rebuilds so far)",
-                               self.address, now - self._last_reply, self.rebuilds + 1)
+                logger.warning("lookup server at %s silent for %.3f s: rebuilding the socket (%d rebuilds so far)%s",
+                               self.address, now - self._last_reply, self.rebuilds + 1,
+                               f"; {diagnosis}" if diagnosis else "")
             self._rebuild()
         if not self._inflight:
             deadlines.clear()
@@ -263,9 +295,7 @@ class PipelinedTransport(Transport):
 
     def _rebuild(self) -> None:
         """Drop the connection (and every request queued on it); the next send opens a new one."""
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock, self._fd = None, -1
+        self._close_socket()
         self._frames.clear()
         self.rebuilds += 1
         self._last_reply = time.perf_counter()
@@ -306,15 +336,21 @@ class PipelinedTransport(Transport):
         for job in self._inflight.values():
             job.finish(Answer(Outcome.ERROR, error="transport closed"))
         self._inflight.clear()
+        self._close_socket()
+        self._ctx.term()
+
+    def _close_socket(self) -> None:
+        if self._handshakes is not None:
+            self._handshakes.close()
+            self._handshakes = None
         if self._sock is not None:
             self._sock.close(linger=0)
-            self._sock = None
-        self._ctx.term()
+            self._sock, self._fd = None, -1
 
 
 def _readable(sock: zmq.Socket) -> bool:
     """True if a reply waits on ``sock`` (reading EVENTS also re-arms its edge-triggered descriptor)."""
-    return bool(int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+    return bool(cast(int, sock.getsockopt(_EVENTS)) & _POLLIN)
 
 
 __all__ = ["PipelinedTransport"]

@@ -18,8 +18,10 @@ Request, two ZMQ frames (a DEALER sends them as they are; a ROUTER sees its peer
 
 Reply, one frame per request frame: ``[version, frame_id, status, reason, results]`` (:class:`Reply`), with
 one ``[lookup_id, status, hit_length, [[group_id, num_tokens], ...], reason]`` (:class:`Result`) per query.
-Frame ``status``: ``ok``, ``error`` (the server could not answer: every query failed) or ``bad_request``
-(the frame was refused). Query ``status``: ``ok`` (``hit_length`` > 0), ``miss`` or ``error`` (the store
+Frame ``status``: ``ok``, ``error`` (the server could not answer: every query failed), ``bad_request``
+(the frame was refused: malformed, or a ``reset`` from a peer that may not wipe the store) or ``busy`` (this
+peer already has as many lookups waiting at the server as it may; nothing was asked of the store).
+Query ``status``: ``ok`` (``hit_length`` > 0), ``miss`` or ``error`` (the store
 failed: the answer is unknown, not a miss). A frame whose header cannot be read is answered with
 ``frame_id`` :data:`UNKNOWN_ID`.
 """
@@ -53,7 +55,8 @@ OK = "ok"
 MISS = "miss"
 ERROR = "error"
 BAD_REQUEST = "bad_request"
-FRAME_STATUSES = (OK, ERROR, BAD_REQUEST)
+BUSY = "busy"  # added within version 2: a client that does not know it fails the frame's lookups, as it should
+FRAME_STATUSES = (OK, ERROR, BAD_REQUEST, BUSY)
 RESULT_STATUSES = (OK, MISS, ERROR)
 
 
@@ -132,6 +135,7 @@ class Lookups(msgspec.Struct, frozen=True):
 
     frame_id: int
     queries: list[Query]
+    keys: int = 0  # store keys answering it asks (blocks its client does not already know)
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -210,8 +214,9 @@ def frame_error(reply: Reply) -> Answer:
 
 
 # -- server side ---------------------------------------------------------------------------------------------
-def check_query(q: Query, frame_id: int = UNKNOWN_ID) -> None:
-    """Raise :class:`ProtocolError` if a query breaks a limit (both ends run the same checks)."""
+def check_query(q: Query, frame_id: int = UNKNOWN_ID) -> int:
+    """Raise :class:`ProtocolError` if a query breaks a limit (both ends run the same checks); else the number of
+    store keys it asks (its blocks past the ``known`` ones)."""
     if not 0 <= q.lookup_id <= MAX_ID:
         raise ProtocolError(f"lookup id {q.lookup_id} out of range", frame_id)
     if not 0 <= q.num_tokens <= MAX_U32:
@@ -221,17 +226,31 @@ def check_query(q: Query, frame_id: int = UNKNOWN_ID) -> None:
             raise ProtocolError(f"lookup {q.lookup_id}: hash_len {q.hash_len} outside 0..{MAX_HASH_BYTES}", frame_id)
         if q.known:
             raise ProtocolError(f"lookup {q.lookup_id}: {q.known} known blocks of 0", frame_id)
-        return
+        return 0
     if not 1 <= q.hash_len <= MAX_HASH_BYTES:
         raise ProtocolError(f"lookup {q.lookup_id}: hash_len {q.hash_len} outside 1..{MAX_HASH_BYTES}", frame_id)
     if len(q.hashes) % q.hash_len:
         raise ProtocolError(f"lookup {q.lookup_id}: {len(q.hashes)} hash bytes are not a multiple of "
                             f"hash_len {q.hash_len}", frame_id)
-    if len(q.hashes) // q.hash_len > MAX_HASHES:
-        raise ProtocolError(f"lookup {q.lookup_id}: {len(q.hashes) // q.hash_len} hashes exceed the limit of "
-                            f"{MAX_HASHES}", frame_id)
-    if not 0 <= q.known <= len(q.hashes) // q.hash_len:
-        raise ProtocolError(f"lookup {q.lookup_id}: {q.known} known blocks of {len(q.hashes) // q.hash_len}", frame_id)
+    blocks = len(q.hashes) // q.hash_len
+    if blocks > MAX_HASHES:
+        raise ProtocolError(f"lookup {q.lookup_id}: {blocks} hashes exceed the limit of {MAX_HASHES}", frame_id)
+    if not 0 <= q.known <= blocks:
+        raise ProtocolError(f"lookup {q.lookup_id}: {q.known} known blocks of {blocks}", frame_id)
+    return blocks - q.known
+
+
+def frame_id_of(header_frame: bytes) -> int | None:
+    """The frame id of a lookup request's header, read without its body; None for anything else."""
+    if len(header_frame) > MAX_HEADER_BYTES:
+        return None
+    try:
+        header = _HEADER.decode(header_frame)
+    except msgspec.MsgspecError:
+        return None
+    if header.version != VERSION or header.op != OP_LOOKUP or not 0 <= header.frame_id <= MAX_ID:
+        return None
+    return header.frame_id
 
 
 def decode_request(frames: Sequence[bytes]) -> Lookups | Reset:
@@ -264,9 +283,10 @@ def decode_request(frames: Sequence[bytes]) -> Lookups | Reset:
         raise ProtocolError(f"malformed lookup body: {e}", fid) from None
     if not 0 < len(queries) <= MAX_QUERIES:
         raise ProtocolError(f"a frame carries 1..{MAX_QUERIES} queries, got {len(queries)}", fid)
+    keys = 0
     for q in queries:
-        check_query(q, fid)
-    return Lookups(fid, queries)
+        keys += check_query(q, fid)
+    return Lookups(fid, queries, keys)
 
 
 def result_of(lookup_id: int, outcome: LookupResult | BaseException) -> Result:
@@ -283,14 +303,14 @@ def encode_reply(frame_id: int, results: Sequence[Result], epoch: int = 0) -> by
 
 
 def encode_status(frame_id: int, status: str, reason: str = "", epoch: int = 0) -> bytes:
-    """A reply without results: a reset's ``ok``, a frame-wide ``error`` or a ``bad_request``, with its reason."""
+    """A reply without results: a reset's ``ok``, a frame-wide ``error``, ``bad_request`` or ``busy``, and why."""
     return _ENCODER.encode(Reply(VERSION, frame_id, status, reason, epoch=epoch))
 
 
 __all__ = [
-    "BAD_REQUEST", "ERROR", "FRAME_STATUSES", "Header", "Lookups", "MAX_BODY_BYTES", "MAX_HASHES", "MAX_HASH_BYTES",
-    "MAX_HEADER_BYTES", "MAX_QUERIES", "MISS", "OK", "OPS", "OP_LOOKUP", "OP_RESET", "ProtocolError", "Query",
-    "RESULT_STATUSES", "Reply", "Reset", "Result", "UNKNOWN_ID", "VERSION", "answer_of", "check_query",
-    "decode_reply", "decode_request", "encode_lookup", "encode_lookups", "encode_reply", "encode_reset",
-    "encode_status", "frame_error", "query", "query_bytes", "result_of",
+    "BAD_REQUEST", "BUSY", "ERROR", "FRAME_STATUSES", "Header", "Lookups", "MAX_BODY_BYTES", "MAX_HASHES",
+    "MAX_HASH_BYTES", "MAX_HEADER_BYTES", "MAX_QUERIES", "MISS", "OK", "OPS", "OP_LOOKUP", "OP_RESET",
+    "ProtocolError", "Query", "RESULT_STATUSES", "Reply", "Reset", "Result", "UNKNOWN_ID", "VERSION", "answer_of",
+    "check_query", "decode_reply", "decode_request", "encode_lookup", "encode_lookups", "encode_reply", "encode_reset",
+    "encode_status", "frame_error", "frame_id_of", "query", "query_bytes", "result_of",
 ]

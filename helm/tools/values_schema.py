@@ -42,6 +42,10 @@ LOOKUP_LIMITS: dict[str, dict[str, Any]] = {
     "lookup_breaker_cooldown_s": {"exclusiveMinimum": 0, "maximum": 3600},
     "lookup_transport": {"enum": list(TRANSPORTS)},
     "lookup_server_address": {"pattern": "^((ipc|tcp)://.*)?$"},
+    "lookup_curve_server_public_key": {"pattern": "^(/.*)?$"},
+    "lookup_curve_client_secret_key": {"pattern": "^(/.*)?$"},
+    "lookup_curve_server_secret_key": {"pattern": "^(/.*)?$"},
+    "lookup_curve_allowed_clients": {"pattern": "^(/.*)?$"},
 }
 JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}
 SIZE = {"type": "string", "pattern": "^[0-9]+(\\.[0-9]+)? ?([GMK]?B|[gmk]?b)?$"}
@@ -58,6 +62,7 @@ PORT = {"type": "integer", "minimum": 1, "maximum": 65535}
 DNS_LABEL = {"type": "string", "pattern": "^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$", "maxLength": 63}
 # An object name (DNS subdomain), or empty for "none".
 K8S_NAME = {"type": "string", "pattern": "^([a-z0-9]([-a-z0-9.]*[a-z0-9])?)?$", "maxLength": 253}
+SECRET_KEY = {"type": "string", "pattern": "^[-._a-zA-Z0-9]+$", "maxLength": 253}  # a key of a Secret's data
 HOST_PORT = {"type": "string", "pattern": "^[^:/;\\s]+:[0-9]{1,5}$"}
 # What a store client takes as its master: host:port, or etcd://host:port[;host:port...] for HA masters.
 MASTER_ADDRESS = {"type": "string",
@@ -115,6 +120,12 @@ def lookup_schema() -> dict[str, Any]:
     return obj(**props)
 
 
+def transfer_ports() -> dict[str, Any]:
+    """Mooncake's transfer-engine port range: min <= max (JSON schema cannot compare two values; the NetworkPolicy's
+    endPort, checked by Kubernetes, can: a reversed range fails there)."""
+    return obj(min=PORT, max=PORT)
+
+
 def shape() -> dict[str, Any]:
     """The shape of values.yaml (descriptions and defaults are filled in from values.yaml)."""
     engine = obj(
@@ -141,6 +152,9 @@ def shape() -> dict[str, Any]:
             name={"type": "string", "minLength": 1},
             kvRole={"type": "string", "enum": ["kv_both", "kv_producer", "kv_consumer"]},
             lookup=lookup_schema(),
+            curve=obj(secretName=K8S_NAME, mountPath={"type": "string", "pattern": "^/.+"},
+                      serverPublicKey=SECRET_KEY, serverSecretKey=SECRET_KEY, clientPublicKey=SECRET_KEY,
+                      clientSecretKey=SECRET_KEY),
             extraConfig={
                 "type": "object",
                 "propertyNames": {"anyOf": [{"not": {"pattern": "^lookup_"}}, {"const": "lookup_rpc_port"}]},
@@ -281,7 +295,10 @@ def shape() -> dict[str, Any]:
             grafana=obj(dashboards=obj(
                 enabled={"type": "boolean"}, label={"type": "string", "minLength": 1}, labelValue={"type": "string"},
                 folder={"type": "string"}, namespace=DNS_LABEL)),
-            networkPolicy=obj(enabled={"type": "boolean"}, monitoringPodSelector=FREE_MAP, extraClients=LIST),
+            transferPorts=transfer_ports(),
+            networkPolicy=obj(enabled={"type": "boolean"}, monitoringPodSelector=FREE_MAP,
+                              storeClients={"type": "boolean"}, engineHttpFrom=LIST, extraEngineIngress=LIST,
+                              extraClients=LIST),
             helmTest=obj(enabled={"type": "boolean"}, timeoutSeconds=positive(3600), nodeSelector=STRING_MAP,
                          tolerations=LIST),
         ),

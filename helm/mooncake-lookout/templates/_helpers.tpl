@@ -102,10 +102,29 @@ URL of the master's /health for the helm test (empty: the test only connects to 
 {{/*
 The --kv-transfer-config JSON: our connector, kv_role and kv_connector_extra_config made of the upstream
 pass-through keys and every lookup key (the lookup keys win; the schema forbids lookup_* in extraConfig).
+With engine.connector.curve.secretName, the lookup_curve_* keys point at the mounted key files. A tcp://
+lookup_server_address beyond loopback without CURVE fails here, as the worker would at start-up.
 */}}
 {{- define "lookout.kvTransferConfig" -}}
 {{- $connector := .Values.engine.connector }}
 {{- $extra := merge (deepCopy $connector.lookup) (deepCopy $connector.extraConfig) }}
+{{- $curve := $connector.curve }}
+{{- if $curve.secretName }}
+{{- range $key := list "lookup_curve_server_public_key" "lookup_curve_client_secret_key" "lookup_curve_server_secret_key" "lookup_curve_allowed_clients" }}
+{{- if index $extra $key }}{{ fail (printf "engine.connector.lookup.%s: leave it empty when engine.connector.curve.secretName mounts the keys" $key) }}{{ end }}
+{{- end }}
+{{- $_ := set $extra "lookup_curve_server_public_key" (printf "%s/server.key" $curve.mountPath) }}
+{{- $_ := set $extra "lookup_curve_client_secret_key" (printf "%s/client.key_secret" $curve.mountPath) }}
+{{- $_ := set $extra "lookup_curve_server_secret_key" (printf "%s/server.key_secret" $curve.mountPath) }}
+{{- $_ := set $extra "lookup_curve_allowed_clients" (printf "%s/allowed" $curve.mountPath) }}
+{{- end }}
+{{- $address := $extra.lookup_server_address }}
+{{- if hasPrefix "tcp://" $address }}
+{{- $host := regexReplaceAll ":[^:]*$" (trimPrefix "tcp://" $address) "" }}
+{{- if not (or (hasPrefix "127." $host) (has $host (list "localhost" "[::1]" "::1" "lo")) $extra.lookup_curve_server_secret_key) }}
+{{- fail (printf "engine.connector.lookup.lookup_server_address %s listens beyond loopback without CURVE: anyone who reaches it could flood the store with lookups and probe what is cached; set engine.connector.curve.secretName (docs/security.md)" $address) }}
+{{- end }}
+{{- end }}
 {{- /* A held answer must stay younger than half the master's key lease (found keys are leased that long). */}}
 {{- $halfLease := div (include "lookout.masterLeaseMs" . | int64) 2 }}
 {{- if lt (int64 $halfLease) (int64 $extra.lookup_answer_ttl_ms) }}
@@ -244,4 +263,42 @@ external HA master: master.ha.clusterId when set).
 - name: MC_STORE_CLUSTER_ID
   value: {{ include "lookout.clusterId" . | quote }}
 {{- end }}
+# Mooncake's transfer-engine ports (it listens on all interfaces): the range the NetworkPolicy admits.
+- name: MC_MIN_RPC_PORT
+  value: {{ .Values.transferPorts.min | quote }}
+- name: MC_MAX_RPC_PORT
+  value: {{ .Values.transferPorts.max | quote }}
+{{- end }}
+
+{{/*
+NetworkPolicy peers of this release's store clients: its engine pods, its store pods (when deployed) and
+networkPolicy.extraClients.
+*/}}
+{{- define "lookout.storeClientPeers" -}}
+- podSelector:
+    matchLabels:
+      {{- include "lookout.selectorLabels" (dict "ctx" . "component" "engine") | nindent 6 }}
+{{- if .Values.store.enabled }}
+- podSelector:
+    matchLabels:
+      {{- include "lookout.selectorLabels" (dict "ctx" . "component" "store") | nindent 6 }}
+{{- end }}
+{{- with .Values.networkPolicy.extraClients }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/*
+The NetworkPolicy peer of the Prometheus pods: monitoring.namespace, narrowed by networkPolicy.monitoringPodSelector.
+*/}}
+{{- define "lookout.prometheusPeer" -}}
+- namespaceSelector:
+    matchLabels:
+      kubernetes.io/metadata.name: {{ .Values.monitoring.namespace }}
+  podSelector:
+    {{- if .Values.networkPolicy.monitoringPodSelector }}
+    {{- toYaml .Values.networkPolicy.monitoringPodSelector | nindent 4 }}
+    {{- else }}
+    {}
+    {{- end }}
 {{- end }}

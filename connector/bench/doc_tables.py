@@ -1,0 +1,455 @@
+"""The doc blocks drawn from the committed bench runs (:mod:`.records`): targets, guarantees, scenario figures.
+
+Why: the docs' measured figures are generated (``python -m mooncake_lookout.connector.cli.docs``), so they
+cannot drift from the runs they quote. Every renderer takes the list of runs and prints each figure for every
+run (``run 1 / run 2 / ...`` in a cell, or a column per run), beside the runs' load averages. Targets are
+rendered from whatever ``targets`` a run lists (their ``id``, ``what`` and ``bound`` texts), so a new scenario's
+targets appear without a change here; the per-run reports are ``bench``'s own text report of each JSON.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from mooncake_lookout.connector.bench.records import (
+    MISSING,
+    Run,
+    across,
+    get,
+    mode,
+    num,
+    ordered_union,
+)
+from mooncake_lookout.connector.bench.run import AUTO, format_report
+
+Figure = Callable[[dict[str, Any]], Any]
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def _cells_note(runs: Sequence[Run]) -> str:
+    return "" if len(runs) == 1 else f" Each cell: {' / '.join(f'run {r.number}' for r in runs)}."
+
+
+def runs_note(runs: Sequence[Run]) -> str:
+    """One line naming the runs a block's figures come from, their kind and load average."""
+    parts = [f"run {r.number} ({r.kind}, {str(get(r.results, 'machine', 'date') or '?')[:10]}, load average "
+             f"{r.load_text})" for r in runs]
+    files = ", ".join(f"`{r.path}`" for r in runs)
+    return (f"Measured by `mooncake-lookout bench` ({files}; load average: 1 minute, at start -> at end): "
+            + "; ".join(parts) + "." + _cells_note(runs))
+
+
+# -- the runs and their targets ----------------------------------------------------------------------------------
+
+def render_runs(runs: Sequence[Run]) -> str:
+    """One row per committed run: what ran, when, on what, how loaded."""
+    rows = []
+    for r in runs:
+        m = r.results.get("machine", {})
+        versions = m.get("versions", {})
+        mooncake = next((f"{k} {v}" for k, v in versions.items() if k.startswith("mooncake-transfer")), MISSING)
+        rows.append([f"{r.number}", f"`{r.path}`", r.kind, str(m.get("date", MISSING)),
+                     f"`{m['commit']}`" if m.get("commit") else MISSING, f"{num(r.results.get('seconds'), 0)} s",
+                     r.load_text, f"{m.get('cpus', MISSING)} CPUs, Python {m.get('python', MISSING)}",
+                     versions.get("vllm", MISSING), mooncake])
+    return "\n".join(_table(["run", "file", "kind", "date (UTC)", "commit", "took", "load average (1 min)",
+                             "machine", "vLLM", "Mooncake"], rows)) + "\n"
+
+
+def _targets(r: Run) -> dict[str, dict[str, Any]]:
+    return {t["id"]: t for t in r.results.get("targets", [])}
+
+
+def _reference(t: dict[str, Any]) -> Any:
+    return t.get("upstream", t.get("floor"))
+
+
+def _verdict(t: dict[str, Any] | None) -> str:
+    if t is None:
+        return MISSING
+    return (f"{num(t.get('ours'))} vs {num(_reference(t))} {t.get('unit', '')}, ratio {num(t.get('ratio'), 2)}: "
+            + ("met" if t.get("met") else "**missed**"))
+
+
+def render_targets_summary(runs: Sequence[Run]) -> str:
+    """Every target any run lists, a column per run (ratio, ours vs reference, met), and how many runs met it."""
+    per_run = [_targets(r) for r in runs]
+    ids = ordered_union(per_run)
+    rows = [["load average (1 min), start -> end", "", *[r.load_text for r in runs], ""]]
+    for id_ in ids:
+        latest = next(t[id_] for t in reversed(per_run) if id_ in t)
+        judged = [t[id_] for t in per_run if id_ in t]
+        met = sum(1 for t in judged if t.get("met"))
+        rows.append([f"({id_}) {latest['what']}", latest.get("bound", ""), *[_verdict(t.get(id_)) for t in per_run],
+                     f"{met} of {len(judged)}"])
+    head = ["target (ours vs reference, ratio)", "bound", *[f"run {r.number} ({r.kind})" for r in runs], "met in"]
+    return "\n".join(_table(head, rows)) + "\n"
+
+
+def render_targets_per_run(runs: Sequence[Run]) -> str:
+    """For each run: its load average, then every target it lists with ours, reference, ratio, bound and met."""
+    out: list[str] = []
+    for r in runs:
+        out += [f"**Run {r.number}** ({r.kind}, `{r.path}`, load average {r.load_text}):", ""]
+        rows = [[t["id"], t["what"], f"{num(t.get('ours'))} {t.get('unit', '')}",
+                 f"{num(_reference(t))} {t.get('unit', '')} ({t.get('vs', '')})", num(t.get("ratio"), 2),
+                 t.get("bound", ""), "met" if t.get("met") else "**missed**"] for t in r.results.get("targets", [])]
+        out += _table(["id", "what", "ours", "reference", "ratio", "bound", "met"], rows) + [""]
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def render_demo(text: str) -> str:
+    """The closing table of a committed ``demo`` output (from its ``mode`` header line to the end), fenced."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("mode ")), None)
+    if start is None:
+        raise ValueError("the demo output holds no closing table (no line starting with 'mode ')")
+    return "```\n" + "\n".join(lines[start:]).rstrip() + "\n```\n"
+
+
+def render_reports(runs: Sequence[Run]) -> str:
+    """Each run's whole text report, as ``bench`` prints it, from its JSON."""
+    out: list[str] = []
+    for r in runs:
+        out += [f"### Run {r.number}: `{r.path}`", "", "```", format_report(r.results).rstrip("\n"), "```", ""]
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+# -- guarantees: the bound the code enforces, beside the measured tail --------------------------------------------
+
+def _stopped_ours_ms(r: dict[str, Any]) -> float | None:
+    stopped = get(r, "e", "stopped") or {}
+    blocked = [v["blocked_s"] for k, v in stopped.items() if k.startswith("ours") and isinstance(v, dict)
+               and v.get("blocked_s") is not None]
+    return max(blocked) * 1e3 if blocked else None
+
+
+def _deadline_ms(runs: Sequence[Run]) -> str:
+    deadlines = {get(r.results, "e", "stopped", "ours/pipelined", "deadline_ms") for r in runs} - {None}
+    return "/".join(num(d, 0) for d in sorted(deadlines)) or MISSING
+
+
+def _upstream_stopped(runs: Sequence[Run]) -> str:
+    cells = []
+    for r in runs:
+        up = get(r.results, "e", "stopped", "upstream") or {}
+        if up.get("blocked_s") is not None:
+            cells.append(f"returned after {num(up['blocked_s'] * 1e3)} ms")
+        elif up:
+            cells.append(f"still blocked after {num(up.get('still_blocked_after_s'), 1)} s")
+        else:
+            cells.append(MISSING)
+    return " / ".join(cells)
+
+
+def _call(label: str, stat: str, scale: float = 1.0) -> Figure:
+    return lambda r: _scaled(get(mode(r, label), "call_us", stat), scale)
+
+
+def _blocked(label: str, stat: str, scale: float = 1.0) -> Figure:
+    return lambda r: _scaled(get(mode(r, label), "blocked_per_step_us", stat), scale)
+
+
+def _scaled(value: float | None, scale: float) -> float | None:
+    return None if value is None else value * scale
+
+
+MS = 1e-3  # microseconds -> milliseconds
+
+
+def _budget_labels(runs: Sequence[Run]) -> list[str]:
+    labels = ordered_union([m["label"] for m in get(r.results, "c", "modes") or ()] for r in runs)
+    return [x for x in labels if x.startswith("ours budget") and x != AUTO and x.endswith("us")]
+
+
+def render_guarantees(runs: Sequence[Run]) -> str:
+    """Each timing bound as the client enforces it, beside its measured tail in the committed runs."""
+    c = "scenario c (vLLM's scheduler, 4 new requests a step)"
+
+    def tail(label: str) -> str:
+        return (f"one call p99 {across(runs, _call(label, 'p99', MS), unit='ms')}, max "
+                f"{across(runs, _call(label, 'max', MS), unit='ms')}; a step's calls together p99 "
+                f"{across(runs, _blocked(label, 'p99', MS), unit='ms')}")
+
+    rows = [
+        ["blocking call (`lookup_async: false`)",
+         "returns by `lookup_timeout_ms` after the call: it waits for its answer at most that long, then answers a "
+         "miss counted as `timeout` (if the store was wiped while the answer was on its way, it asks once more, "
+         "under a new bound)",
+         f"store stopped (scenario e): longest blocking call {across(runs, _stopped_ours_ms, 1, 'ms')} at a "
+         f"{_deadline_ms(runs)} ms deadline (vLLM's client: {_upstream_stopped(runs)}); healthy store, {c}, "
+         f"`ours sync`: {tail('ours sync')}"],
+        ["non-blocking call, `lookup_wait_us: 0`",
+         "waits for no answer: sends what the step started, reads the replies already there, returns",
+         f"{c}, `ours async`: {tail('ours async')}"],
+    ]
+    budgets = [f"`{label.removeprefix('ours ')}`: {tail(label)}" for label in _budget_labels(runs)]
+    if budgets:
+        rows.append(["non-blocking call, `lookup_wait_us: N`",
+                     "waits at most what is left of the step's N us: the calls of one step share the budget",
+                     f"{c}: " + "; ".join(budgets)])
+    if any(mode(r.results, AUTO) for r in runs):
+        rows.append(["non-blocking call, `lookup_wait_us: auto`",
+                     "as with N, where N is the measured round trip's p90 + 50 us when that fits in "
+                     "`lookup_wait_auto_share` of the step interval, else 0",
+                     f"{c}: budget in force mean "
+                     f"{across(runs, lambda r: get(mode(r, AUTO), 'wait_budget_us', 'mean'), unit='us')}, steps "
+                     f"without a wait {across(runs, _no_wait_pct, 0, '%')}; {tail(AUTO)}"])
+    lines = _table(["call", "bound the code enforces (on waiting)", "measured tail"], rows)
+    return "\n".join(lines + ["", runs_note(runs)]) + "\n"
+
+
+def _no_wait_pct(r: dict[str, Any]) -> float | None:
+    share = get(mode(r, AUTO), "steps_without_wait")
+    return None if share is None else 100 * share
+
+
+# -- the tuning guide --------------------------------------------------------------------------------------------
+
+def _delay_ms(label: str) -> Figure:
+    return lambda r: (get(mode(r, label), "answer_delay_us", "p50") or 0) / 1e3 if mode(r, label) else None
+
+
+def render_modes(runs: Sequence[Run]) -> str:
+    """Scenario (c), mode by mode: what the scheduler pays per step and per call, what a request pays."""
+    labels = ordered_union([m["label"] for m in get(r.results, "c", "modes") or ()] for r in runs)
+    rows = [[label, across(runs, _blocked(label, "mean")), across(runs, _call(label, "p99")),
+             across(runs, lambda r, x=label: get(mode(r, x), "mean_deferred_steps"), 2),
+             across(runs, lambda r, x=label: 100 * get(mode(r, x), "requests_deferred")
+                    if mode(r, x) else None, 0),
+             across(runs, _delay_ms(label), 1)] for label in labels]
+    head = ["mode", "blocked per step, mean (us)", "one call, p99 (us)", "deferred steps / request",
+            "% requests deferred", "arrival to answer, p50 (ms)"]
+    steps = {(get(r.results, "c", "steps"), get(r.results, "c", "arrivals_per_step"),
+              get(r.results, "c", "model_step_ms")) for r in runs}
+    setup = "; ".join(f"{s} steps, {a} new requests a step, model step {m} ms" for s, a, m in sorted(steps, key=str))
+    return "\n".join(_table(head, rows) + ["", f"Scenario (c), vLLM's real scheduler: {setup}. " + runs_note(runs)]
+                     ) + "\n"
+
+
+def _a(client: str, key: str, stat: str = "p50") -> Figure:
+    return lambda r: get(r, "a", client, key, stat)
+
+
+def _burst_ms(client: str) -> Figure:
+    return lambda r: (get(r, "b", client, "seconds") or 0) * 1e3 if get(r, "b", client) else None
+
+
+def _pct(key: str) -> Figure:
+    return lambda r: 100 * get(r, "d", key) if get(r, "d", key) is not None else None
+
+
+def render_tuning_figures(runs: Sequence[Run]) -> str:
+    """The figures behind each setting of the tuning guide, by name, from the committed runs."""
+    rows: list[list[str]] = [
+        ["round trip: blocking lookup on our client (pipelined, metrics+spans), p50 / p99", "a",
+         f"{across(runs, _a('ours/pipelined', 'sync_call_us'))} / "
+         f"{across(runs, _a('ours/pipelined', 'sync_call_us', 'p99'))} us"],
+        ["the same without spans, p50", "a", across(runs, _a("ours/pipelined, no spans", "sync_call_us"), unit="us")],
+        ["round-trip floor (bare socket + one store call), p50 / p99", "floors",
+         f"{across(runs, lambda r: get(r, 'floors', 'round_trip_us', 'p50'))} / "
+         f"{across(runs, lambda r: get(r, 'floors', 'round_trip_us', 'p99'))} us"],
+        ["sent -> answer collected, `auto` mode, p50 / p90", "c",
+         f"{across(runs, lambda r: get(mode(r, AUTO), 'sent_to_collected_us', 'p50'))} / "
+         f"{across(runs, lambda r: get(mode(r, AUTO), 'sent_to_collected_us', 'p90'))} us"],
+    ]
+    for label in ("ours async", AUTO, *_budget_labels(runs)):
+        rows.append([f"`{label}`: deferred steps per request; one call p99", "c",
+                     f"{across(runs, lambda r, x=label: get(mode(r, x), 'mean_deferred_steps'), 2)}; "
+                     f"{across(runs, _call(label, 'p99'), unit='us')}"])
+    rows += [
+        ["async cost per lookup on the scheduler's thread, p50: ours with spans / without spans / upstream", "a",
+         f"{across(runs, _a('ours/pipelined', 'async_per_lookup_us'))} / "
+         f"{across(runs, _a('ours/pipelined, no spans', 'async_per_lookup_us'))} / "
+         f"{across(runs, _a('upstream', 'async_per_lookup_us'))} us"],
+        ["store stopped: longest blocking call, ours (deadline "
+         f"{_deadline_ms(runs)} ms); vLLM's client", "e",
+         f"{across(runs, _stopped_ours_ms, 1, 'ms')}; {_upstream_stopped(runs)}"],
+        ["store slowed (frozen 20 ms of every 40 ms): blocking call p99, ours pipelined / upstream", "e",
+         f"{across(runs, lambda r: get(r, 'e', 'slowed', 'ours/pipelined', 'sync_call_us', 'p99'))} / "
+         f"{across(runs, lambda r: get(r, 'e', 'slowed', 'upstream', 'sync_call_us', 'p99'))} us"],
+    ]
+    burst_n = across(runs, lambda r: get(r, "b", "n"), 0)
+    rows.append([f"burst of {burst_n} new requests, time to all answers: ours on the upstream wire / upstream / "
+                 "ours pipelined / ours pipelined without spans", "b",
+                 " / ".join(across(runs, _burst_ms(c), 1) for c in ("ours/upstream-wire", "upstream",
+                                                                      "ours/pipelined", "ours/pipelined, no spans"))
+                 + " ms"])
+    rows.append(["telemetry, added to a blocking lookup (median): metrics+spans / metrics only / spans only", "d",
+                 " / ".join(across(runs, _pct(k), 1) for k in ("median_overhead", "metrics_median_overhead",
+                                                                 "spans_median_overhead")) + " %"])
+    return "\n".join(_table(["figure", "scenario", "measured"], rows) + ["", runs_note(runs)]) + "\n"
+
+
+# -- every scenario, run by run --------------------------------------------------------------------------------
+
+def _scenario_a(runs: Sequence[Run]) -> list[str]:
+    clients = ordered_union(get(r.results, "a") or {} for r in runs)
+    rows = [[c, across(runs, _a(c, "sync_call_us")), across(runs, _a(c, "sync_call_us", "p99")),
+             across(runs, _a(c, "async_first_call_us")), across(runs, _a(c, "async_per_lookup_us"))]
+            for c in clients]
+    rows += [[f"{name} floor", across(runs, lambda r, k=key: get(r, "floors", k, "p50")),
+              across(runs, lambda r, k=key: get(r, "floors", k, "p99")), "", ""]
+             for name, key in (("round-trip", "round_trip_us"), ("touch", "touch_us"))]
+    return ["**(a) one lookup call on the scheduler's thread, us** (ours with metrics+spans unless named)", "",
+            *_table(["client", "sync p50", "sync p99", "async first call p50", "async per lookup p50"], rows)]
+
+
+def _scenario_a4(runs: Sequence[Run]) -> list[str]:
+    ks = ordered_union([str(k) for k in get(r.results, "a4", "ks") or ()] for r in runs)
+    clients = ordered_union(get(r.results, "a4", "clients") or {} for r in runs)
+    if not ks:
+        return []
+    rows = [[c, *[across(runs, lambda r, c=c, k=k: get(r, "a4", "clients", c, k, "per_lookup_us", "p50"))
+                  for k in ks]] for c in clients]
+    return ["**(a4) k lookups arriving in one step: cost per lookup on the scheduler's thread, p50 us**", "",
+            *_table(["client", *[f"k = {k}" for k in ks]], rows)]
+
+
+def _scenario_b(runs: Sequence[Run]) -> list[str]:
+    clients = ordered_union([k for k, v in (get(r.results, "b") or {}).items() if isinstance(v, dict)] for r in runs)
+    rows = [[c, across(runs, _burst_ms(c), 1), across(runs, lambda r, c=c: get(r, "b", c, "steps"), 0),
+             across(runs, lambda r, c=c: (get(r, "b", c, "seconds") / get(r, "b", "upstream", "seconds"))
+                    if get(r, "b", c) and get(r, "b", "upstream", "seconds") else None, 2)] for c in clients]
+    n = across(runs, lambda r: get(r, "b", "n"), 0)
+    return [f"**(b) burst of {n} new requests: time until every answer is ready**", "",
+            *_table(["client", "ms", "steps", "x upstream"], rows)]
+
+
+def _scenario_c(runs: Sequence[Run]) -> list[str]:
+    labels = ordered_union([m["label"] for m in get(r.results, "c", "modes") or ()] for r in runs)
+    rows = [[x, across(runs, _call(x, "p50")), across(runs, _call(x, "p99")), across(runs, _call(x, "max")),
+             across(runs, _blocked(x, "mean")), across(runs, _blocked(x, "p99")),
+             across(runs, lambda r, x=x: get(mode(r, x), "mean_deferred_steps"), 2), across(runs, _delay_ms(x), 1)]
+            for x in labels]
+    return ["**(c) vLLM's scheduler per lookup mode** (us unless named)", "",
+            *_table(["mode", "call p50", "call p99", "call max", "blocked/step mean", "blocked/step p99",
+                     "deferred/request", "answer p50 (ms)"], rows)]
+
+
+def _scenario_d(runs: Sequence[Run]) -> list[str]:
+    rows = [[v, across(runs, lambda r, v=v: get(r, "d", f"{v}_us", "p50")),
+             across(runs, _pct(f"{v}_median_overhead"), 1) if v != "off" else ""]
+            for v in ("off", "metrics", "spans", "on")]
+    return ["**(d) telemetry: blocking lookup end to end**", "",
+            *_table(["telemetry", "p50 (us)", "added median (%)"], rows)]
+
+
+def _scenario_e(runs: Sequence[Run]) -> list[str]:
+    clients = ordered_union(get(r.results, "e", "slowed") or {} for r in runs)
+    rows = [[c, across(runs, lambda r, c=c: get(r, "e", "slowed", c, "sync_call_us", "p50")),
+             across(runs, lambda r, c=c: get(r, "e", "slowed", c, "sync_call_us", "p99")),
+             across(runs, lambda r, c=c: get(r, "e", "slowed", c, "sync_call_us", "max")),
+             across(runs, lambda r, c=c: get(r, "e", "slowed", c, "async_per_lookup_us", "p99")),
+             across(runs, lambda r, c=c: (get(r, "e", "stopped", c, "blocked_s") or 0) * 1e3
+                    if get(r, "e", "stopped", c, "blocked_s") is not None else None, 1)
+             if c != "upstream" else _upstream_stopped(runs)] for c in clients]
+    return ["**(e) the store slowed (frozen 20 ms of every 40 ms), then stopped** (us unless named)", "",
+            *_table(["client", "slowed: sync p50", "sync p99", "sync max", "async per lookup p99",
+                     "stopped: blocking call (ms)"], rows)]
+
+
+def _length(r: dict[str, Any], blocks: str) -> dict[str, Any] | None:
+    return next((x for x in get(r, "f", "lengths") or () if str(x["blocks"]) == blocks), None)
+
+
+def _f(blocks: str, label: str, *path: str, scale: float = 1.0) -> Figure:
+    return lambda r: _scaled(get(_length(r, blocks), "modes", label, *path), scale)
+
+
+def _scenario_f(runs: Sequence[Run]) -> list[str]:
+    lengths = ordered_union([str(x["blocks"]) for x in get(r.results, "f", "lengths") or ()] for r in runs)
+    rows = []
+    for blocks in lengths:
+        for x in ordered_union(get(_length(r.results, blocks), "modes") or {} for r in runs):
+            rows.append([blocks, x, across(runs, _f(blocks, x, "call_us", "p50")),
+                         across(runs, _f(blocks, x, "schedule_us", "mean")),
+                         across(runs, _f(blocks, x, "answer_delay_us", "p50", scale=MS), 1),
+                         across(runs, _f(blocks, x, "mean_deferred_steps"), 2)])
+    return ["**(f) prompt length through vLLM's scheduler, both async**", "",
+            *_table(["blocks", "client", "call p50 (us)", "schedule() mean (us)", "answer p50 (ms)",
+                     "deferred/request"], rows)]
+
+
+def _backends(runs: Sequence[Run]) -> list[str]:
+    blocks = ordered_union(get(r.results, "backends") or {} for r in runs)
+    rows = [[b, *[across(runs, lambda r, b=b, k=k: get(r, "backends", b, k, "p50"))
+                  for k in ("batch_is_exist", "prefix_index", "upstream_worker", "worker_backend")]] for b in blocks]
+    return ["**Server side: one lookup of a cold prompt, in-process, p50 us**", "",
+            *_table(["blocks", "batch_is_exist", "PrefixIndex", "upstream worker", "WorkerBackend"], rows)]
+
+
+def _g_shapes(runs: Sequence[Run]) -> list[tuple[str, str]]:
+    """(backend, context blocks) of scenario g, in the order the runs list them."""
+    keys = ordered_union([f"{b}\t{entry['shape']['context_blocks']}" for b, shapes in
+                          (get(r.results, "g", "backends") or {}).items() for entry in shapes] for r in runs)
+    return [(k.split("\t")[0], k.split("\t")[1]) for k in keys]
+
+
+def _g(backend: str, context: str, label: str, *path: str, scale: float = 1.0) -> Figure:
+    """A scenario g figure of one mode's run, from the second turn on."""
+    def figure(r: dict[str, Any]) -> float | None:
+        shapes = get(r, "g", "backends", backend) or ()
+        entry = next((e for e in shapes if str(e["shape"]["context_blocks"]) == context), None)
+        return _scaled(get(entry, "runs", label, "from_turn_2", *path), scale)
+    return figure
+
+
+def _scenario_g(runs: Sequence[Run]) -> list[str]:
+    rows = []
+    for backend, context in _g_shapes(runs):
+        for label in ("upstream sync", "ours sync", "upstream async", "ours async"):
+            rows.append([backend, context, label, across(runs, _g(backend, context, label, "keys_per_lookup"), 1),
+                         across(runs, _g(backend, context, label, "path_us", "p50")),
+                         across(runs, _g(backend, context, label, "path_us", "p90")),
+                         across(runs, _g(backend, context, label, "answer_us", "p50", scale=MS), 1),
+                         across(runs, _g(backend, context, label, "known_share"), 3)])
+    return ["**(g) multi-turn conversations through vLLM's scheduler, from the second turn on**: store keys per "
+            "lookup (counted at the store client, marker included), the lookup path per request (sync: time to "
+            "answer; async: scheduler-path cost), arrival to answer, ours' known share", "",
+            *_table(["backend", "context (blocks)", "mode", "keys/lookup", "path p50 (us)", "path p90 (us)",
+                     "answer p50 (ms)", "known share"], rows)]
+
+
+def render_multi_turn(runs: Sequence[Run]) -> str:
+    """Scenario g in the tuning guide: what the prefix cache spares a long prompt re-sent turn by turn."""
+    rows = []
+    for backend, context in _g_shapes(runs):
+        def pair(label: str, *path: str, digits: int | None = None, unit: str = "",
+                 b: str = backend, c: str = context) -> str:
+            return (f"{across(runs, _g(b, c, f'ours {label}', *path), digits)} vs "
+                    f"{across(runs, _g(b, c, f'upstream {label}', *path), digits)}{unit}")
+        where = f"{context}-block context, {backend}"
+        rows += [[f"store keys per lookup, ours vs upstream ({where})", pair("sync", "keys_per_lookup", digits=1)],
+                 [f"time to answer, blocking lookup p50, ours vs upstream ({where})",
+                  pair("sync", "path_us", "p50", unit=" us")],
+                 [f"scheduler-path cost of an async lookup p50, ours vs upstream ({where})",
+                  pair("async", "path_us", "p50", unit=" us")],
+                 [f"blocks ours knew present, share ({where})",
+                  across(runs, _g(backend, context, "ours sync", "known_share"), 3)]]
+    if not rows:
+        return "No committed run measured scenario g (`bench` before it existed).\n"
+    return "\n".join(_table(["from the second turn on", "measured"], rows) + ["", runs_note(runs)]) + "\n"
+
+
+SCENARIOS: tuple[tuple[str, Callable[[Sequence[Run]], list[str]]], ...] = (
+    ("a", _scenario_a), ("a4", _scenario_a4), ("backends", _backends), ("b", _scenario_b), ("c", _scenario_c),
+    ("d", _scenario_d), ("e", _scenario_e), ("f", _scenario_f), ("g", _scenario_g))
+
+
+def render_scenarios(runs: Sequence[Run]) -> str:
+    """A table per scenario the runs measured, every figure per run; other scenarios are in the run reports."""
+    out = [runs_note(runs), ""]
+    for key, table in SCENARIOS:
+        if any(key in r.results for r in runs):
+            out += table(runs) + [""]
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+__all__ = ["SCENARIOS", "render_demo", "render_guarantees", "render_modes", "render_multi_turn", "render_reports",
+           "render_runs", "render_scenarios", "render_targets_per_run", "render_targets_summary",
+           "render_tuning_figures", "runs_note"]

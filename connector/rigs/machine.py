@@ -1,0 +1,60 @@
+"""Where and what a measurement ran on: recorded in ``bench.json`` and the soak's JSON, printed beside their figures.
+
+Why: the docs' measured figures are generated from committed runs; a figure means little without the load
+on the machine (other work on the cores shows up in every latency), the date, the code measured and the
+versions of vLLM and Mooncake.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+VERSIONED = ("vllm", "mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine", "mooncake-lookout")
+CHECKOUT = Path(__file__).resolve().parents[2]  # the repository (an editable install imports from it)
+
+
+def machine() -> dict[str, Any]:
+    """The machine and the code at the start of a run; add ``loadavg_at_end`` (:func:`load_average`) at its end."""
+    return {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform(),
+            "loadavg_at_start": load_average(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "versions": versions(), "commit": commit()}
+
+
+def load_average() -> list[float]:
+    """The 1, 5 and 15-minute load averages."""
+    return list(os.getloadavg())
+
+
+def versions() -> dict[str, str]:
+    """The installed versions of the packages a figure depends on (those installed)."""
+    out = {}
+    for name in VERSIONED:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def commit(root: Path = CHECKOUT) -> str | None:
+    """The checkout's commit (``+dirty`` with local changes to tracked files), or None outside a git checkout."""
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
+
+
+__all__ = ["VERSIONED", "commit", "load_average", "machine", "versions"]
