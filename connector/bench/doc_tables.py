@@ -416,7 +416,9 @@ def _scenario_g(runs: Sequence[Run]) -> list[str]:
 
 
 def render_multi_turn(runs: Sequence[Run]) -> str:
-    """Scenario g in the tuning guide: what the prefix cache spares a long prompt re-sent turn by turn."""
+    """Scenario g in the tuning guide: what the prefix cache spares a long prompt re-sent turn by turn (only the
+    runs that measured it)."""
+    runs = [r for r in runs if "g" in r.results]
     rows = []
     for backend, context in _g_shapes(runs):
         def pair(label: str, *path: str, digits: int | None = None, unit: str = "",
