@@ -141,3 +141,33 @@ def test_sigterm_mid_run_stops_every_process(demo_factory) -> None:
     assert demo.rest() == 130
     assert any("interrupted" in line for line in demo.lines)
     assert gone(int(pids.group(1))) and gone(int(pids.group(2)))
+
+
+def test_multi_turn_demo_shows_what_the_prefix_cache_spared_the_store(demo_factory) -> None:
+    """``--workload multi-turn``: conversations through vLLM's scheduler; the table's prefix-cache columns are real
+    counts (keys counted at the lookup server's store client), not estimates."""
+    context = 128
+    demo = demo_factory("--workload", "multi-turn", "--mode", "async", "--duration", "1.5", "--prompt-blocks",
+                        str(context), "--turns", "4", "--conversations", "4")
+    pids = demo.wait_for(r"Mooncake master pid (\d+) .* lookup servers pid (\d+)")
+    demo.wait_for(rf"^workload: multi-turn, 4 conversations at once, each a {context}-block context .* 4 turns")
+    demo.wait_for(r"within the master's key lease \(10000 ms\)")
+    head = demo.wait_for(r"^mode +requests .* known +keys/lookup +no-RTT$")
+    assert head
+    fields = demo.wait_for(r"^async\b.*").group(0).split()
+    requests, known, keys_per_lookup, no_rtt = int(fields[1]), float(fields[9]), float(fields[10]), int(fields[11])
+    assert requests > 16, fields  # more than four conversations' worth of turns
+    # A quarter of the lookups are first turns (every block asked); a later turn knows what came before.
+    assert 0.2 < known < 1, fields
+    # Without the cache every lookup would ask at least the context's blocks.
+    assert 1 <= keys_per_lookup < context, fields
+    assert no_rtt == 0, "lookup_prefix_cache_confirm_ms is 0: every lookup goes to the server"
+    assert demo.rest() == 0
+    assert gone(int(pids.group(1))) and gone(int(pids.group(2)))
+
+
+def test_an_unknown_workload_is_refused_before_anything_starts(demo_factory) -> None:
+    demo = demo_factory("--workload", "chat")
+    assert demo.rest(30.0) == 2
+    demo.stderr.seek(0)
+    assert "invalid choice: 'chat'" in demo.stderr.read()

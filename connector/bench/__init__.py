@@ -5,12 +5,12 @@
 * :mod:`.rig`: :class:`~.rig.Rig`, a real master, a filled index, both lookup servers in a child process
   and the floor's child process;
 * one module per scenario: the floors :mod:`.floors`, (a) :mod:`.call`, (a4) :mod:`.per_step`, (b)
-  :mod:`.burst`, (c) :mod:`.sched`, (d) :mod:`.overhead`, (e) :mod:`.fault`, (f) :mod:`.long_prompts`;
-  :mod:`.plots` draws the figures;
+  :mod:`.burst`, (c) :mod:`.sched`, (d) :mod:`.overhead`, (e) :mod:`.fault`, (f) :mod:`.long_prompts`,
+  (g) :mod:`.multi_turn` (over the conversations of :mod:`.conversations`); :mod:`.plots` draws the figures;
 * :mod:`.remote`: ``bench --master`` / ``--server``, read-only figures of a user's own store or server.
 
-The demo (``mooncake-lookout demo``) stands on the same rig and scenario (c). Modules are imported on
-use: the scenarios pull in vLLM and matplotlib.
+The demo (``mooncake-lookout demo``) stands on the same rig and scenario (c), with either workload.
+Modules are imported on use: the scenarios pull in vLLM and matplotlib.
 """
 
 from __future__ import annotations

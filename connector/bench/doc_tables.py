@@ -383,9 +383,64 @@ def _backends(runs: Sequence[Run]) -> list[str]:
             *_table(["blocks", "batch_is_exist", "PrefixIndex", "upstream worker", "WorkerBackend"], rows)]
 
 
+def _g_shapes(runs: Sequence[Run]) -> list[tuple[str, str]]:
+    """(backend, context blocks) of scenario g, in the order the runs list them."""
+    keys = ordered_union([f"{b}\t{entry['shape']['context_blocks']}" for b, shapes in
+                          (get(r.results, "g", "backends") or {}).items() for entry in shapes] for r in runs)
+    return [(k.split("\t")[0], k.split("\t")[1]) for k in keys]
+
+
+def _g(backend: str, context: str, label: str, *path: str, scale: float = 1.0) -> Figure:
+    """A scenario g figure of one mode's run, from the second turn on."""
+    def figure(r: dict[str, Any]) -> float | None:
+        shapes = get(r, "g", "backends", backend) or ()
+        entry = next((e for e in shapes if str(e["shape"]["context_blocks"]) == context), None)
+        return _scaled(get(entry, "runs", label, "from_turn_2", *path), scale)
+    return figure
+
+
+def _scenario_g(runs: Sequence[Run]) -> list[str]:
+    rows = []
+    for backend, context in _g_shapes(runs):
+        for label in ("upstream sync", "ours sync", "upstream async", "ours async"):
+            rows.append([backend, context, label, across(runs, _g(backend, context, label, "keys_per_lookup"), 1),
+                         across(runs, _g(backend, context, label, "path_us", "p50")),
+                         across(runs, _g(backend, context, label, "path_us", "p90")),
+                         across(runs, _g(backend, context, label, "answer_us", "p50", scale=MS), 1),
+                         across(runs, _g(backend, context, label, "known_share"), 3)])
+    return ["**(g) multi-turn conversations through vLLM's scheduler, from the second turn on**: store keys per "
+            "lookup (counted at the store client, marker included), the lookup path per request (sync: time to "
+            "answer; async: scheduler-path cost), arrival to answer, ours' known share", "",
+            *_table(["backend", "context (blocks)", "mode", "keys/lookup", "path p50 (us)", "path p90 (us)",
+                     "answer p50 (ms)", "known share"], rows)]
+
+
+def render_multi_turn(runs: Sequence[Run]) -> str:
+    """Scenario g in the tuning guide: what the prefix cache spares a long prompt re-sent turn by turn (only the
+    runs that measured it)."""
+    runs = [r for r in runs if "g" in r.results]
+    rows = []
+    for backend, context in _g_shapes(runs):
+        def pair(label: str, *path: str, digits: int | None = None, unit: str = "",
+                 b: str = backend, c: str = context) -> str:
+            return (f"{across(runs, _g(b, c, f'ours {label}', *path), digits)} vs "
+                    f"{across(runs, _g(b, c, f'upstream {label}', *path), digits)}{unit}")
+        where = f"{context}-block context, {backend}"
+        rows += [[f"store keys per lookup, ours vs upstream ({where})", pair("sync", "keys_per_lookup", digits=1)],
+                 [f"time to answer, blocking lookup p50, ours vs upstream ({where})",
+                  pair("sync", "path_us", "p50", unit=" us")],
+                 [f"scheduler-path cost of an async lookup p50, ours vs upstream ({where})",
+                  pair("async", "path_us", "p50", unit=" us")],
+                 [f"blocks ours knew present, share ({where})",
+                  across(runs, _g(backend, context, "ours sync", "known_share"), 3)]]
+    if not rows:
+        return "No committed run measured scenario g (`bench` before it existed).\n"
+    return "\n".join(_table(["from the second turn on", "measured"], rows) + ["", runs_note(runs)]) + "\n"
+
+
 SCENARIOS: tuple[tuple[str, Callable[[Sequence[Run]], list[str]]], ...] = (
     ("a", _scenario_a), ("a4", _scenario_a4), ("backends", _backends), ("b", _scenario_b), ("c", _scenario_c),
-    ("d", _scenario_d), ("e", _scenario_e), ("f", _scenario_f))
+    ("d", _scenario_d), ("e", _scenario_e), ("f", _scenario_f), ("g", _scenario_g))
 
 
 def render_scenarios(runs: Sequence[Run]) -> str:
@@ -397,6 +452,6 @@ def render_scenarios(runs: Sequence[Run]) -> str:
     return "\n".join(out).rstrip("\n") + "\n"
 
 
-__all__ = ["SCENARIOS", "render_demo", "render_guarantees", "render_modes", "render_reports", "render_runs",
-           "render_scenarios", "render_targets_per_run", "render_targets_summary", "render_tuning_figures",
-           "runs_note"]
+__all__ = ["SCENARIOS", "render_demo", "render_guarantees", "render_modes", "render_multi_turn", "render_reports",
+           "render_runs", "render_scenarios", "render_targets_per_run", "render_targets_summary",
+           "render_tuning_figures", "runs_note"]

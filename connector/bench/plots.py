@@ -14,6 +14,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
 
 
 def _cdf(ax: Any, values_s: Sequence[float], label: str) -> None:
@@ -124,6 +125,34 @@ def long_prompts_plot(f: dict[str, Any], path: str) -> str:
     return path
 
 
+def multi_turn_plot(g: dict[str, Any], path: str) -> str:
+    """Per turn, both clients: store keys per lookup and time to answer (sync), every shape (scenario g)."""
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5.5))
+    for backend, shapes in g["backends"].items():
+        for entry in shapes:
+            tag = f"{backend}, {entry['shape']['context_blocks']}-block context"
+            for label in ("upstream sync", "ours sync"):
+                turns = entry["runs"][label]["turns"]
+                xs = [t["turn"] for t in turns]
+                axes[0].plot(xs, [t["keys_per_lookup"] for t in turns], marker="o", label=f"{label}: {tag}")
+                axes[1].plot(xs, [t["path_us"].get("p50", float("nan")) for t in turns], marker="o",
+                             label=f"{label}: {tag}")
+    for ax, title in zip(axes, ("store keys per lookup (counted at the store client)",
+                                "time to answer, sync, p50 (us)"), strict=True):
+        ax.set_yscale("log")
+        ax.set_xlabel("turn")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=7)
+    fig.suptitle("vLLM scheduler: multi-turn conversations")
+    fig.tight_layout(rect=(0, 0.04 + 0.03 * ((len(labels) + 1) // 2), 1, 1))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def write_all(results: dict[str, Any], raw_latency: dict[str, Any], out_dir: str) -> list[str]:
     """Every figure of a bench run into ``out_dir``; returns the paths written."""
     os.makedirs(out_dir, exist_ok=True)
@@ -136,7 +165,10 @@ def write_all(results: dict[str, Any], raw_latency: dict[str, Any], out_dir: str
         paths.append(per_step_plot(results["a4"], os.path.join(out_dir, "per_step.png")))
     if "f" in results:
         paths.append(long_prompts_plot(results["f"], os.path.join(out_dir, "long_prompts.png")))
+    if "g" in results:
+        paths.append(multi_turn_plot(results["g"], os.path.join(out_dir, "multi_turn.png")))
     return paths
 
 
-__all__ = ["burst_plot", "latency_plot", "long_prompts_plot", "modes_plot", "per_step_plot", "write_all"]
+__all__ = ["burst_plot", "latency_plot", "long_prompts_plot", "modes_plot", "multi_turn_plot", "per_step_plot",
+           "write_all"]

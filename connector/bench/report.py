@@ -163,16 +163,53 @@ def backends_block(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def g_block(r: dict[str, Any]) -> list[str]:
+    """Scenario (g): multi-turn conversations, per backend and shape; then keys per lookup turn by turn."""
+    g = r["g"]
+    lines = [f"(g) multi-turn conversations through vLLM's scheduler (model step {g['model_step_ms']:g} ms; master "
+             f"lease {g['lease_ms']} ms, lookup_answer_ttl_ms {g['answer_ttl_ms']:g}), from the second turn on: store "
+             "keys and calls per lookup (counted at the store client, marker included), lookup path per request "
+             "(sync: time to answer; async: scheduler-path cost) us, arrival to answer ms, ours' known share"]
+    for backend, shapes in g["backends"].items():
+        for entry in shapes:
+            s = entry["shape"]
+            lines.append(f"  {backend}: {s['conversations']} conversations, {s['context_blocks']}-block context, "
+                         f"{s['turns']} turns of {s['blocks_per_turn']} blocks")
+            lines.append(f"    {'mode':15} {'keys/lookup':>11} {'calls':>5} {'path p50':>9} {'p90':>9} "
+                         f"{'answer ms':>9} {'known':>6} {'no-RTT':>6} {'x upstream keys':>15}")
+            for label, run in entry["runs"].items():
+                f = run["from_turn_2"]
+                up = entry["runs"][label.replace("ours", "upstream")]["from_turn_2"]["keys_per_lookup"]
+                lines.append(f"    {label:15} {fmt(f['keys_per_lookup']):>11} {fmt(f['calls_per_lookup'], 2):>5} "
+                             f"{fmt(f['path_us'].get('p50')):>9} {fmt(f['path_us'].get('p90')):>9} "
+                             f"{fmt(f['answer_us'].get('p50', float('nan')) / 1e3, 2):>9} "
+                             f"{fmt(f['known_share'], 3):>6} {f['cache_answers']:>6} "
+                             f"{fmt(ratio(f['keys_per_lookup'], up), 3):>15}")
+            for label in ("upstream sync", "ours sync"):
+                per_turn = " ".join(f"{t['keys_per_lookup']:.0f}" for t in entry["runs"][label]["turns"])
+                lines.append(f"    keys per lookup by turn, {label}: {per_turn}")
+    return lines
+
+
 def targets_block(entries: list[dict[str, Any]]) -> list[str]:
-    """The targets, one line each."""
+    """The targets, one line each (with the figures measured beside a target under it)."""
     lines = ["targets (ratio = ours / reference; met when within the bound):"]
     for t in entries:
         ref = t.get("upstream", t.get("floor"))
         lines.append(f"  ({t['id']}) {t['what']}: ours {fmt(t['ours'], 2)} vs {fmt(ref, 2)} {t['unit']} "
                      f"({t['vs']}), ratio {fmt(t['ratio'], 2)} [{t['bound']}] -> {'met' if t['met'] else 'MISSED'}")
+        if "scheduler_path_us" in t:
+            p = t["scheduler_path_us"]
+            lines.append(f"       beside it, the scheduler-path cost per lookup (async, p50): ours {fmt(p['ours'])} vs "
+                         f"{fmt(p['upstream'])} us, ratio {fmt(p['ratio'], 2)}")
+        if "vllm_layout" in t:
+            v = t["vllm_layout"]
+            lines.append(f"       through vLLM's key layout (upstream's worker): ours {fmt(v['ours'], 2)} vs "
+                         f"{fmt(v['upstream'], 2)} {t['unit']}, ratio {fmt(v['ratio'], 3)} -> "
+                         f"{'met' if v['met'] else 'MISSED'}")
     return lines
 
 
 
 __all__ = ["a4_block", "a_block", "b_block", "backends_block", "c_block", "d_block", "e_block", "f_block",
-           "floors_block", "fmt", "ratio", "targets_block"]
+           "floors_block", "fmt", "g_block", "ratio", "targets_block"]

@@ -3,14 +3,17 @@
 Why: every comparison must run upstream's client and ours in the same process, against the same
 master, the same keys and the same kind of server. :class:`Rig` starts them once:
 
-* a real ``mooncake_master`` on 127.0.0.1 (:class:`EmbeddedMaster`, stopped by pid on exit);
+* a real ``mooncake_master`` on 127.0.0.1 (:class:`EmbeddedMaster`, stopped by pid on exit), with
+  Mooncake's default key lease (10 s): a found key stays leased for twice the default
+  ``lookup_answer_ttl_ms``, the rule a prefix cache relies on;
 * a writer store client and a :class:`PrefixIndex` over it (to fill the store);
 * a separate *server process* (:class:`~mooncake_lookout.connector.rigs.server_process.ServerProcess`), as
   in vLLM where the lookup server lives in the worker, not in the scheduler's process (in-process server
   threads would fight the scheduler for the GIL and skew every latency): it runs vLLM's own
   ``LookupKeyServer`` (upstream wire, IPC path derived from a real ``VllmConfig``) and our
   :class:`LookupServer` (pipelined and upstream wire), both over a :class:`PrefixIndex` on its own store
-  client;
+  client; with ``keep_epoch`` our server keeps the store's epoch, so our clients' prefix caches are on
+  (the bench's scenarios (a)-(f) run without it: their figures are of the lookup without the cache);
 * with ``floor=True``, the round-trip floor's child process (:class:`~.floors.FloorServer`) on the same master.
 
 Clients are built on demand: vLLM's ``LookupKeyClient``, or our :class:`LookupClient` with either
@@ -31,6 +34,7 @@ from mooncake_lookout.connector.events import LookupObserver, ObserverSet
 from mooncake_lookout.connector.transport.names import PIPELINED, UPSTREAM
 
 BLOCK_SIZE = 16
+MOONCAKE_LEASE_MS = 10_000  # Mooncake 0.3.13's --default_kv_lease_ttl, what a master runs with unless told
 _ports = itertools.count(7000 + os.getpid() % 1000 * 10)
 
 
@@ -130,15 +134,24 @@ class Rig(ClientMaker):
     """A real master, a prefix index and both lookup servers; a context manager that stops them all by pid.
 
     ``rpc_timeout_ms`` bounds one store call of the servers' client (Mooncake's ``MC_RPC_TIMEOUT_MS``);
+    ``kv_lease_ttl_ms`` is the master's key lease; ``keep_epoch``: our server keeps the store's epoch (see
+    the module docstring); ``upstream_server``: also vLLM's own server, for upstream's client (the child
+    then imports vLLM: seconds more to start; the demo, which runs only ours, goes without).
     """
 
-    def __init__(self, *, namespace: str = "bench", rpc_timeout_ms: int | None = 30_000, floor: bool = False) -> None:
+    def __init__(self, *, namespace: str = "bench", rpc_timeout_ms: int | None = 30_000, floor: bool = False,
+                 kv_lease_ttl_ms: int = MOONCAKE_LEASE_MS, keep_epoch: bool = False,
+                 upstream_server: bool = True) -> None:
         self.namespace = namespace
         self.rpc_timeout_ms = rpc_timeout_ms
         self.with_floor = floor
+        self.kv_lease_ttl_ms = kv_lease_ttl_ms
+        self.keep_epoch = keep_epoch
+        self.upstream_server = upstream_server
         self._stack = ExitStack()
         self.master: Any = None
         self.index: Any = None
+        self.writer: Any = None  # the store client that fills the store
         self.servers: Any = None
         self.floor: Any = None
         self.lookup_rpc_port = next_lookup_port()
@@ -161,15 +174,18 @@ class Rig(ClientMaker):
         from mooncake_lookout.connector.server.store import open_writer_store
 
         stack = self._stack
-        self.master = stack.enter_context(EmbeddedMaster())
+        self.master = stack.enter_context(EmbeddedMaster(kv_lease_ttl_ms=self.kv_lease_ttl_ms))
         self.rpc_base_path = stack.enter_context(private_rpc_base_path())
-        self.servers = stack.enter_context(ServerProcess(
-            (UPSTREAM, PIPELINED), self.master.rpc_address, namespace=self.namespace, block_size=BLOCK_SIZE,
-            rpc_port=self.lookup_rpc_port, rpc_base_path=self.rpc_base_path,
-            store_rpc_timeout_ms=self.rpc_timeout_ms, start_timeout_s=120.0, standby=False))
-        store = open_writer_store(self.master.rpc_address)
+        # The writer first: it lends the memory that holds the values, our server's epoch marker included.
+        self.writer = store = open_writer_store(self.master.rpc_address)
         stack.callback(store.close)
         self.index = PrefixIndex(store, BLOCK_SIZE, namespace=self.namespace)
+        transports = (UPSTREAM, PIPELINED) if self.upstream_server else (PIPELINED,)
+        self.servers = stack.enter_context(ServerProcess(
+            transports, self.master.rpc_address, namespace=self.namespace, block_size=BLOCK_SIZE,
+            rpc_port=self.lookup_rpc_port, rpc_base_path=self.rpc_base_path,
+            store_rpc_timeout_ms=self.rpc_timeout_ms, start_timeout_s=120.0, standby=False,
+            keep_epoch=self.keep_epoch))
         self.lookup_vllm_config = lookup_vllm_config(self.lookup_rpc_port)
         if self.with_floor:
             from mooncake_lookout.connector.bench.floors import FloorServer
@@ -210,5 +226,5 @@ class Rig(ClientMaker):
         self.close()
 
 
-__all__ = ["BLOCK_SIZE", "ClientMaker", "Rig", "close_upstream_client", "next_lookup_port", "quantile", "summary_us",
-           "token_prompts"]
+__all__ = ["BLOCK_SIZE", "MOONCAKE_LEASE_MS", "ClientMaker", "Rig", "close_upstream_client", "next_lookup_port",
+           "quantile", "summary_us", "token_prompts"]

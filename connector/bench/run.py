@@ -5,7 +5,9 @@ Scenarios (one module each in this package): the floors (:mod:`.floors`, measure
 server side per backend (:mod:`.backends`, in-process, read-only); (b)
 :mod:`.burst` a burst of new requests; (c) :mod:`.sched` vLLM's real scheduler per lookup mode; (d)
 :mod:`.overhead` metrics and spans on vs off; (e) :mod:`.fault` the store slowed or stopped; (f)
-:mod:`.long_prompts` prompts of 8 to 4,096 blocks through vLLM's scheduler.
+:mod:`.long_prompts` prompts of 8 to 4,096 blocks through vLLM's scheduler; (g) :mod:`.multi_turn`
+multi-turn conversations through vLLM's scheduler, the store keys each turn's lookup sends (the prefix
+cache's issue).
 Writes ``bench.json`` (machines), ``bench.txt`` (the table printed) and PNG figures to ``--out``.
 Each target of the lookup-path issue is judged in :func:`targets`: ours, the reference (upstream, a
 floor, a deadline), the ratio, the bound and "met" or "MISSED".
@@ -21,7 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mooncake_lookout.connector.bench import long_prompts
+from mooncake_lookout.connector.bench import long_prompts, multi_turn
+from mooncake_lookout.connector.bench.conversations import Shape
 from mooncake_lookout.connector.bench.report import (
     a4_block,
     a_block,
@@ -32,6 +35,7 @@ from mooncake_lookout.connector.bench.report import (
     e_block,
     f_block,
     floors_block,
+    g_block,
     targets_block,
 )
 from mooncake_lookout.connector.bench.report import ratio as ratio_of
@@ -42,7 +46,7 @@ from mooncake_lookout.connector.transport.names import UPSTREAM
 BUDGET_US = 200
 AUTO = "ours budget auto"
 A4_K = 16  # the k of target a4
-TARGET_IDS = ("a", "a1", "a4", "a2", "a3", "b", "c1", "c2", "d", "e", "f")
+TARGET_IDS = ("a", "a1", "a4", "a2", "a3", "b", "c1", "c2", "d", "e", "f", "g1", "g2")
 
 
 @dataclass(frozen=True)
@@ -60,10 +64,13 @@ class Sizes:
     per_step_rounds: int
     lengths: tuple[long_prompts.Length, ...]
     backend_rounds: int
+    conversations: tuple[Shape, ...]  # scenario (g): the issue's example first, the 4,096-block context last
+    vllm_layout: bool  # scenario (g) also through vLLM's key layout (a server process more: ~20 s to start)
 
 
-QUICK = Sizes(100, 256, 1, 100, 6, 20, 2.0, (BUDGET_US,), 6, long_prompts.QUICK, 5)
-FULL = Sizes(500, 256, 5, 400, 24, 100, 5.0, (BUDGET_US, 500, 1000), 40, long_prompts.FULL, 30)
+QUICK = Sizes(100, 256, 1, 100, 6, 20, 2.0, (BUDGET_US,), 6, long_prompts.QUICK, 5, multi_turn.QUICK, False)
+FULL = Sizes(500, 256, 5, 400, 24, 100, 5.0, (BUDGET_US, 500, 1000), 40, long_prompts.FULL, 30, multi_turn.FULL,
+             True)
 
 
 def _modes(sizes: Sizes) -> list[Any]:
@@ -120,6 +127,9 @@ def run_bench(out_dir: str, *, quick: bool = False, log: Callable[[str], None] =
         results["e"] = fault.run(rig, call_reqs[:sizes.fault_requests], wait_s=sizes.fault_wait_s)
         log("(f) prompts of 8 to 4,096 blocks through vLLM's scheduler ...")
         results["f"] = long_prompts.run(rig, sizes.lengths)
+        log("(g) multi-turn conversations through vLLM's scheduler"
+            + (", also in vLLM's key layout ..." if sizes.vllm_layout else " ..."))
+        results["g"] = multi_turn.run(rig, sizes.conversations, layout=sizes.vllm_layout)
     results["machine"]["loadavg_at_end"] = list(os.getloadavg())
     results["targets"] = targets(results)
     results["seconds"] = time.perf_counter() - t_start
@@ -246,12 +256,54 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(_target("f", f"{longest['blocks']}-block prompts, both async: mean schedule() time per step, "
                                 "ours / upstream", f_modes["ours async"]["schedule_us"]["mean"],
                            f_modes["upstream async"]["schedule_us"]["mean"], vs="upstream", unit="us", limit=1.0))
-    return out
+    return out + _g_targets(r)
+
+
+def _g_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 19's two targets, judged on the prefix index's runs; vLLM's key layout's figures beside when measured."""
+    if not _has(r, "g", "backends", multi_turn.INDEX):
+        return []
+    backends = r["g"]["backends"]
+
+    def later(backend: str, shape_at: int, label: str) -> dict[str, Any]:
+        return backends[backend][shape_at]["runs"][label]["from_turn_2"]
+
+    def beside(entry: dict[str, Any], figure: Callable[[str, str], float | None], limit: float) -> None:
+        if multi_turn.LAYOUT in backends:
+            ours, up = figure(multi_turn.LAYOUT, "ours"), figure(multi_turn.LAYOUT, "upstream")
+            ratio = ratio_of(ours, up)
+            entry["vllm_layout"] = {"ours": ours, "upstream": up, "ratio": ratio,
+                                    "met": ratio is not None and ratio <= limit}
+
+    first = backends[multi_turn.INDEX][0]["shape"]
+    longest = max(range(len(backends[multi_turn.INDEX])),
+                  key=lambda i: backends[multi_turn.INDEX][i]["shape"]["context_blocks"])
+    long_shape = backends[multi_turn.INDEX][longest]["shape"]
+
+    def keys(backend: str, client: str) -> float | None:
+        return later(backend, 0, f"{client} sync")["keys_per_lookup"]
+
+    def answer(backend: str, client: str) -> float | None:
+        return later(backend, longest, f"{client} sync")["path_us"].get("p50")
+
+    g1 = _target("g1", f"multi-turn ({first['context_blocks']}-block context, {first['turns']} turns of "
+                       f"{first['blocks_per_turn']} blocks): store keys sent per lookup from the second turn on, "
+                       "ours / upstream (counted at the store client)", keys(multi_turn.INDEX, "ours"),
+                 keys(multi_turn.INDEX, "upstream"), vs="upstream", unit="keys", limit=0.1)
+    beside(g1, keys, 0.1)
+    g2 = _target("g2", f"multi-turn, {long_shape['context_blocks']}-block context: time to answer (sync lookup path, "
+                       "p50, from the second turn on), ours / upstream", answer(multi_turn.INDEX, "ours"),
+                 answer(multi_turn.INDEX, "upstream"), vs="upstream", unit="us", limit=0.2)
+    beside(g2, answer, 0.2)
+    path = {client: later(multi_turn.INDEX, longest, f"{client} async")["path_us"].get("p50")
+            for client in ("ours", "upstream")}
+    g2["scheduler_path_us"] = {**path, "ratio": ratio_of(path["ours"], path["upstream"])}
+    return [g1, g2]
 
 
 REPORT_BLOCKS: tuple[tuple[str, Callable[[dict[str, Any]], list[str]]], ...] = (
     ("floors", floors_block), ("a", a_block), ("a4", a4_block), ("backends", backends_block), ("b", b_block),
-    ("c", c_block), ("d", d_block), ("e", e_block), ("f", f_block))
+    ("c", c_block), ("d", d_block), ("e", e_block), ("f", f_block), ("g", g_block))
 
 
 def format_report(r: dict[str, Any]) -> str:

@@ -15,7 +15,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from mooncake_lookout.connector.bench.rig import Rig, close_upstream_client, summary_us, token_prompts
 from mooncake_lookout.connector.events import LookupObserver, LookupRecord, OutcomeCounter
@@ -89,6 +89,25 @@ class SchedRun:
     wait_budgets: list[float] = field(default_factory=list)  # ours: each step's wait budget in force, seconds
     sent_to_collected: list[float] = field(default_factory=list)  # ours: sent -> answer collected, seconds
     budget_state: dict[str, float | None] = field(default_factory=dict)  # ours: what the wait budget knew at the end
+    # Ours' prefix cache: blocks that could count and blocks it knew present, over lookups used; answers it gave
+    # with no round trip; lookups sent to the server.
+    countable_blocks: int = 0
+    known_blocks: int = 0
+    cache_answers: int = 0
+    lookups_sent: int = 0
+    store_keys: int | None = None  # keys the server sent to the store during the run, when counted (demo)
+
+    @property
+    def known_share(self) -> float | None:
+        """Blocks the prefix cache knew present / blocks that could count (ours only)."""
+        return self.known_blocks / self.countable_blocks if self.countable_blocks else None
+
+    @property
+    def keys_per_lookup(self) -> float | None:
+        """Store keys the server sent per lookup sent to it, when the keys were counted."""
+        if self.store_keys is None or not self.lookups_sent:
+            return None
+        return self.store_keys / self.lookups_sent
 
     @property
     def reuse_ratio(self) -> float:
@@ -124,7 +143,20 @@ class SchedRun:
             "budget_state": self.budget_state,
             "steps_without_wait": (sum(1 for b in self.wait_budgets if b <= 0) / len(self.wait_budgets)
                                    if self.wait_budgets else None),
+            "prefix_cache": {"known_share": self.known_share, "known_blocks": self.known_blocks,
+                             "countable_blocks": self.countable_blocks, "answers": self.cache_answers,
+                             "lookups_sent": self.lookups_sent, "store_keys": self.store_keys,
+                             "keys_per_lookup": self.keys_per_lookup},
         }
+
+
+class Prompts(Protocol):
+    """What :func:`run_mode` feeds the scheduler: a shared-prefix :class:`Workload`, or multi-turn conversations
+    (:class:`~.conversations.ConversationStream`)."""
+
+    def fill_store(self, rig: Rig, hash_of: Callable[[list[int]], list[bytes]]) -> int: ...
+
+    def request(self, k: int) -> tuple[str, list[int]]: ...
 
 
 class Workload:
@@ -169,7 +201,7 @@ class Workload:
         return rig.index.store_prefixes(lists)
 
 
-def run_mode(rig: Rig, workload: Workload, m: Mode, *, arrivals_per_step: int = 4, steps: int | None = 200,
+def run_mode(rig: Rig, workload: Prompts, m: Mode, *, arrivals_per_step: int = 4, steps: int | None = 200,
              seconds: float | None = None, model_step_s: float = 0.0015, first_request: int = 0,
              observers: Iterable[LookupObserver] = (), on_step: Callable[[SchedRun], None] | None = None,
              should_stop: Callable[[], bool] = lambda: False, drain_s: float = 5.0, arrival_every: int = 1,
@@ -244,6 +276,8 @@ def run_mode(rig: Rig, workload: Workload, m: Mode, *, arrivals_per_step: int = 
         run.outcomes = {o.value: n for o, n in counter.outcomes.items() if n}
         run.store_queried_tokens, run.store_hit_tokens = counter.queried_tokens, counter.hit_tokens
         run.wait_budgets, run.sent_to_collected = counter.wait_budgets, counter.sent_to_collected
+        run.countable_blocks, run.known_blocks = counter.countable_blocks, counter.known_blocks
+        run.cache_answers, run.lookups_sent = counter.cache_answers, counter.lookups_sent
         if m.ours:
             budget = driver.connector.lookup_client.budget
             p90 = budget.rtt_p90_s
@@ -258,9 +292,11 @@ def run_mode(rig: Rig, workload: Workload, m: Mode, *, arrivals_per_step: int = 
 
 
 class TokenTally(OutcomeCounter):
-    """An :class:`OutcomeCounter` that also adds up tokens asked about and tokens found, and keeps each
-    step's wait budget and each lookup's time from sent to answer collected (the round trip when the
-    answer was waited for; up to a step more when it was collected at a later step's drain)."""
+    """An :class:`OutcomeCounter` that also adds up tokens asked about and tokens found, keeps each step's
+    wait budget and each lookup's time from sent to answer collected (the round trip when the answer was
+    waited for; up to a step more when it was collected at a later step's drain), and adds up what the
+    prefix cache knew (blocks that could count, blocks known, answers with no round trip) and the
+    lookups sent to the server."""
 
     def __init__(self) -> None:
         super().__init__(keep=0)
@@ -268,11 +304,22 @@ class TokenTally(OutcomeCounter):
         self.hit_tokens = 0
         self.wait_budgets: list[float] = []
         self.sent_to_collected: list[float] = []
+        self.countable_blocks = 0
+        self.known_blocks = 0
+        self.cache_answers = 0
+        self.lookups_sent = 0
 
     def consumed(self, rec: LookupRecord) -> None:
         super().consumed(rec)
         self.queried_tokens += rec.num_tokens
         self.hit_tokens += rec.hit_tokens
+        self.countable_blocks += rec.countable_blocks
+        self.known_blocks += rec.known_blocks
+        self.cache_answers += rec.from_cache
+
+    def started(self, rec: LookupRecord) -> None:
+        super().started(rec)
+        self.lookups_sent += 1
 
     def answered(self, rec: LookupRecord) -> None:
         super().answered(rec)
@@ -292,4 +339,4 @@ def _step(driver: Any, probe: CallProbe, run: SchedRun) -> None:
     run.blocked_per_step.append(probe.step_blocked)
 
 
-__all__ = ["CallProbe", "Mode", "SchedRun", "TokenTally", "Workload", "mode", "run_mode"]
+__all__ = ["CallProbe", "Mode", "Prompts", "SchedRun", "TokenTally", "Workload", "mode", "run_mode"]

@@ -6,11 +6,12 @@ scheduler with our connector, and feeds it requests for a bounded time in three 
 another on the same master and workload: ``sync`` (the scheduler blocks for each lookup), ``async``
 (it defers until the answer is there) and ``budget`` (async, waiting up to ``--budget-us`` for an
 almost-ready answer). Lookups start at admission. ``/metrics`` is served on 127.0.0.1 meanwhile; the
-run ends with a table of the three modes. ``--keep-running`` leaves ``/metrics`` up for a local
-Prometheus/Grafana until Ctrl-C. ``--mode`` runs one mode for the whole duration (a clean series for
-``mooncake-lookout advise`` to read); ``--pause-master`` freezes the master for a while in the middle of
-each mode's run, to show what a stalled store costs. Every process it starts is stopped by pid on exit,
-Ctrl-C included.
+run ends with a table of the three modes. ``--workload multi-turn`` feeds conversations whose prompt
+grows turn by turn instead (our prefix cache asks the store only for new blocks) and the table adds the
+prefix cache's figures. ``--keep-running`` leaves ``/metrics`` up for a local Prometheus/Grafana until
+Ctrl-C. ``--mode`` runs one mode for the whole duration (a clean series for ``mooncake-lookout
+advise`` to read); ``--pause-master`` freezes the master for a while in the middle of each mode's run,
+to show what a stalled store costs. Every process it starts is stopped by pid on exit, Ctrl-C included.
 
 Exit codes: 0 when the demo finished (also when ``--keep-running`` is ended by SIGINT/SIGTERM),
 130 when interrupted before the table, 2 when it could not start (the message says why).
@@ -29,6 +30,10 @@ from typing import Any, TextIO
 DURATIONS = {"small": 4.5, "default": 9.0}
 MODE_NAMES = ("sync", "async", "budget")
 ALL_MODES = "all"
+SHARED_PREFIX, MULTI_TURN = "shared-prefix", "multi-turn"
+# Per workload: blocks of a prompt (multi-turn: of its context), and new requests per step.
+PROMPT_BLOCKS = {SHARED_PREFIX: 8, MULTI_TURN: 2048}
+RATES = {SHARED_PREFIX: 4, MULTI_TURN: 1}
 
 
 def parse_duration(text: str) -> float:
@@ -56,6 +61,17 @@ def parse_pause(text: str) -> float:
     return value
 
 
+def _positive(text: str) -> int:
+    """A whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
 def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``demo`` subcommand; returns its parser."""
     p = subparsers.add_parser("demo", help="run the lookup path on a real master and vLLM's scheduler",
@@ -68,12 +84,26 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="freeze the Mooncake master (SIGSTOP) for SECONDS in the middle of each mode's run: "
                         "a stalled store (default 0: never)")
     p.add_argument("--port", type=int, default=0, help="port of /metrics on 127.0.0.1 (default 0: any free port)")
-    p.add_argument("--rate", type=int, default=4, metavar="N", help="new requests per scheduler step (default 4)")
-    p.add_argument("--prompt-blocks", type=int, default=8, metavar="N",
-                   help="blocks of 16 tokens per prompt (default 8; half of them a shared prefix)")
+    p.add_argument("--workload", choices=(SHARED_PREFIX, MULTI_TURN), default=SHARED_PREFIX,
+                   help=f"{SHARED_PREFIX} (default): short prompts sharing a few prefixes; {MULTI_TURN}: "
+                        "conversations whose prompt grows turn by turn (our prefix cache asks the store only for "
+                        "new blocks; the table then shows its figures)")
+    p.add_argument("--rate", type=_positive, default=None, metavar="N",
+                   help=f"new requests per scheduler step (default {RATES[SHARED_PREFIX]}; "
+                        f"{MULTI_TURN}: {RATES[MULTI_TURN]})")
+    p.add_argument("--prompt-blocks", type=_positive, default=None, metavar="N",
+                   help=f"blocks of 16 tokens per prompt (default {PROMPT_BLOCKS[SHARED_PREFIX]}; half of them a "
+                        f"shared prefix); {MULTI_TURN}: of its context (default {PROMPT_BLOCKS[MULTI_TURN]}: "
+                        "32k tokens)")
     p.add_argument("--prefixes", type=int, default=4, metavar="N", help="distinct shared prefixes (default 4)")
     p.add_argument("--prompts", "--requests", dest="prompts", type=int, default=2048, metavar="N",
                    help="distinct prompts, cached in the store before the run (default 2048)")
+    p.add_argument("--turns", type=_positive, default=20, metavar="N",
+                   help=f"{MULTI_TURN}: turns of a conversation (default 20)")
+    p.add_argument("--turn-blocks", type=_positive, default=16, metavar="N",
+                   help=f"{MULTI_TURN}: blocks of 16 tokens each turn adds (default 16: 256 tokens)")
+    p.add_argument("--conversations", type=_positive, default=8, metavar="N",
+                   help=f"{MULTI_TURN}: conversations going on at once, their turns taken in turn (default 8)")
     p.add_argument("--budget-us", type=int, default=200, metavar="US",
                    help="lookup_wait_us of the budget mode (default 200)")
     p.add_argument("--model-step-ms", type=float, default=1.5, metavar="MS",
@@ -157,23 +187,37 @@ class MasterPause:
             self.say(f"master pid {self.master.pid} resumed")
 
 
-def format_table(runs: list[Any], budget_us: int) -> str:
-    """The demo's closing table: one row per mode."""
+def format_table(runs: list[Any], budget_us: int, *, prefix_cache: bool = False) -> str:
+    """The demo's closing table: one row per mode (``prefix_cache``: with the prefix cache's figures)."""
     head = (f"{'mode':13} {'requests':>8} {'blocked/step':>12} {'call p99':>9} {'deferred/req':>12} "
             f"{'lookup p50':>10} {'p90':>7} {'p99':>7} {'hit ratio':>9}")
-    lines = [head, f"{'':13} {'':>8} {'(us)':>12} {'(us)':>9} {'(steps)':>12} {'(ms)':>10} {'(ms)':>7} "
-                   f"{'(ms)':>7} {'(store)':>9}"]
+    units = (f"{'':13} {'':>8} {'(us)':>12} {'(us)':>9} {'(steps)':>12} {'(ms)':>10} {'(ms)':>7} "
+             f"{'(ms)':>7} {'(store)':>9}")
+    if prefix_cache:
+        head += f" {'known':>6} {'keys/lookup':>11} {'no-RTT':>6}"
+        units += f" {'(share)':>6} {'(store)':>11} {'(answers)':>6}"
+    lines = [head, units]
     for r in runs:
         d = r.as_dict()
         delay = d["answer_delay_us"]
         ratio = r.store_hit_ratio
         label = r.label + (f" {budget_us}us" if r.label == "budget" else "")
-        lines.append(f"{label:13} {r.requests:8d} {d['blocked_per_step_us'].get('mean', 0):12.1f} "
-                     f"{d['call_us'].get('p99', 0):9.1f} {r.mean_deferred_steps:12.2f} "
-                     f"{delay.get('p50', 0) / 1e3:10.2f} {delay.get('p90', 0) / 1e3:7.2f} "
-                     f"{delay.get('p99', 0) / 1e3:7.2f} {(ratio if ratio is not None else 0):9.2f}")
+        row = (f"{label:13} {r.requests:8d} {d['blocked_per_step_us'].get('mean', 0):12.1f} "
+               f"{d['call_us'].get('p99', 0):9.1f} {r.mean_deferred_steps:12.2f} "
+               f"{delay.get('p50', 0) / 1e3:10.2f} {delay.get('p90', 0) / 1e3:7.2f} "
+               f"{delay.get('p99', 0) / 1e3:7.2f} {(ratio if ratio is not None else 0):9.2f}")
+        if prefix_cache:
+            keys = r.keys_per_lookup
+            row += (f" {(r.known_share or 0):6.3f} {(keys if keys is not None else float('nan')):11.1f} "
+                    f"{r.cache_answers:6d}")
+        lines.append(row)
     lines.append("blocked/step: time per scheduler step inside lookup calls; deferred/req: steps a request "
                  "waited for its answer; lookup: arrival to answer used.")
+    if prefix_cache:
+        lines.append("known: share of the blocks that could count which the prefix cache knew present (not asked "
+                     "of the store); keys/lookup: store keys the server sent per lookup, counted at its store "
+                     "client (marker key included); no-RTT: lookups answered with no round trip "
+                     "(lookup_prefix_cache_confirm_ms > 0 only).")
     for r in runs:
         failed = {o: n for o, n in sorted(r.outcomes.items()) if o not in ("hit", "miss", "discarded")}
         if failed:
@@ -206,9 +250,26 @@ def run_demo(args: argparse.Namespace, out: TextIO | None = None) -> int:
         restore()
 
 
+def _workload(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str]:
+    """The workload the flags ask for, the scheduler's sizing for it, and a line that says what it is."""
+    from mooncake_lookout.connector.bench.conversations import ConversationStream, Shape
+    from mooncake_lookout.connector.bench.sched import Workload
+
+    blocks = args.prompt_blocks or PROMPT_BLOCKS[args.workload]
+    if args.workload == SHARED_PREFIX:
+        return (Workload(prompt_blocks=blocks, num_prefixes=args.prefixes, fill=args.prompts), {},
+                f"workload: {SHARED_PREFIX}, {args.prompts} prompts of {blocks} blocks over {args.prefixes} prefixes")
+    shape = Shape(blocks, args.turns, args.turn_blocks, args.conversations)
+    sizing = {"num_blocks": shape.num_blocks(2 * args.conversations), "max_model_len": shape.max_model_len}
+    return (ConversationStream(shape, active=args.conversations), sizing,
+            f"workload: {MULTI_TURN}, {args.conversations} conversations at once, each a {blocks}-block context "
+            f"(in the store before its first turn) and {args.turns} turns of {args.turn_blocks} blocks; each turn "
+            "finds the previous one saved")
+
+
 def _run(args: argparse.Namespace, stop: threading.Event, out: TextIO) -> int:
     from mooncake_lookout.connector.bench.rig import Rig
-    from mooncake_lookout.connector.bench.sched import Workload, run_mode
+    from mooncake_lookout.connector.bench.sched import run_mode
     from mooncake_lookout.connector.config import LookupConfig
     from mooncake_lookout.connector.events import BackgroundObserver
     from mooncake_lookout.connector.rigs.master import MasterError
@@ -230,8 +291,17 @@ def _run(args: argparse.Namespace, stop: threading.Event, out: TextIO) -> int:
     try:
         say(f"metrics: {endpoint.url}")
         say("starting a Mooncake master, the lookup servers and vLLM's scheduler (first start ~15-30 s) ...")
+        multi_turn = args.workload == MULTI_TURN
         try:
-            rig = Rig(namespace="demo").start()
+            workload, sizing, what = _workload(args)
+        except ValueError as exc:
+            say(f"mooncake-lookout demo: {exc}")
+            return 2
+        rate = args.rate or RATES[args.workload]
+        try:
+            # Multi-turn: our server keeps the store's epoch (as inside vLLM), so the prefix cache is on; the
+            # rig's master leases keys for Mooncake's default 10 s, twice lookup_answer_ttl_ms.
+            rig = Rig(namespace="demo", keep_epoch=multi_turn, upstream_server=False).start()
         except (MasterError, RuntimeError) as exc:
             say(f"mooncake-lookout demo: {exc}")
             return 2
@@ -239,7 +309,11 @@ def _run(args: argparse.Namespace, stop: threading.Event, out: TextIO) -> int:
         try:
             say(f"Mooncake master pid {rig.master.pid} on {rig.master.rpc_address} "
                 f"(its metrics: {rig.master.metrics_url}/metrics); lookup servers pid {rig.servers.pid}")
-            workload = Workload(prompt_blocks=args.prompt_blocks, num_prefixes=args.prefixes, fill=args.prompts)
+            say(what)
+            if multi_turn:
+                ttl_ms = LookupConfig().lookup_answer_ttl_ms
+                say(f"prefix cache: found blocks remembered for lookup_answer_ttl_ms ({ttl_ms:g} ms), within the "
+                    f"master's key lease ({rig.kv_lease_ttl_ms} ms)")
             progress = Progress(out)
 
             def announce(text: str) -> None:
@@ -263,10 +337,12 @@ def _run(args: argparse.Namespace, stop: threading.Event, out: TextIO) -> int:
                                   f"{1e6 * sum(run.blocked_per_step) / max(1, run.steps):8.1f} us")
 
                 try:
-                    runs.append(run_mode(rig, workload, m, arrivals_per_step=args.rate, steps=None,
+                    keys_before = rig.servers.store_counts()[1]
+                    runs.append(run_mode(rig, workload, m, arrivals_per_step=rate, steps=None,
                                          seconds=per_mode, model_step_s=args.model_step_ms / 1e3,
                                          observers=[telemetry], on_step=on_step, should_stop=stop.is_set,
-                                         drain_s=2.0))
+                                         drain_s=2.0, **sizing))
+                    runs[-1].store_keys = rig.servers.store_counts()[1] - keys_before
                 finally:
                     pause.resume()
                 progress.show(f"[{m.label:6}] done: {runs[-1].requests} requests in {runs[-1].steps} steps",
@@ -276,7 +352,7 @@ def _run(args: argparse.Namespace, stop: threading.Event, out: TextIO) -> int:
             rig.close()
         if runs:
             say("")
-            say(format_table(runs, args.budget_us))
+            say(format_table(runs, args.budget_us, prefix_cache=multi_turn))
         if stop.is_set():
             say("interrupted; every process stopped")
             return 130
@@ -288,5 +364,5 @@ def _run(args: argparse.Namespace, stop: threading.Event, out: TextIO) -> int:
         endpoint.stop()
 
 
-__all__ = ["ALL_MODES", "DURATIONS", "MasterPause", "Progress", "add_demo_parser", "demo_modes", "format_table",
-           "parse_duration", "parse_pause", "run_demo"]
+__all__ = ["ALL_MODES", "DURATIONS", "MULTI_TURN", "MasterPause", "Progress", "SHARED_PREFIX", "add_demo_parser",
+           "demo_modes", "format_table", "parse_duration", "parse_pause", "run_demo"]

@@ -289,6 +289,7 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/tuning.md", "bench-source", _bench(lambda runs: doc_tables.runs_note(runs) + "\n")),
     Block("docs/tuning.md", "bench-modes", _bench(doc_tables.render_modes)),
     Block("docs/tuning.md", "bench-figures", _bench(doc_tables.render_tuning_figures)),
+    Block("docs/tuning.md", "bench-multi-turn", _bench(doc_tables.render_multi_turn)),
     Block("docs/bench-results.md", "bench-runs", _bench(doc_tables.render_runs)),
     Block("docs/bench-results.md", "bench-targets", _bench(doc_tables.render_targets_summary)),
     Block("docs/bench-results.md", "bench-targets-per-run", _bench(doc_tables.render_targets_per_run)),

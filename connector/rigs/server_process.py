@@ -17,9 +17,18 @@ One child serves one or more transports over one
 The index sits behind an :class:`~.faults.InjectedDelayBackend` (off unless asked for). With a
 :class:`~.vllm_layout.Layout` the child serves a vLLM deployment's keys instead: both servers answer from
 upstream's own ``MooncakeStoreWorker`` for that layout, over a lookup-only store client wrapped in a
-:class:`~.vllm_layout.ReadOnlyStore` (nothing it does can write or wipe a key). The child is this
-module run as a script; it prints ``listening on NAME=ADDRESS ...`` once it serves, ``delay on`` /
-``delay off`` after SIGUSR1 / SIGUSR2, and stops on SIGTERM or SIGINT.
+:class:`~.vllm_layout.ReadOnlyStore` (nothing it does can write or wipe a key).
+
+``keep_epoch``: our server keeps the store's epoch marker (``server/epoch.py``) as it does inside vLLM, so
+clients' prefix caches are on. That takes a store client with a small staging buffer (a lookup-only client
+cannot put the marker, and the server then keeps epoch 0: clients cache nothing) and, with a layout, a
+worker whose store is not read-only. The server trusts the master's lease at once (no probe): the rig that
+asks for it runs the master with a lease covering the clients' ``lookup_answer_ttl_ms``.
+
+The store client the servers use is wrapped in a :class:`~.counting_store.CountingStore`: the keys they
+really ask are counted (:meth:`ServerProcess.store_counts`). The child is this module run as a script; it
+prints ``listening on NAME=ADDRESS ...`` once it serves, ``delay on`` / ``delay off`` after SIGUSR1 /
+SIGUSR2, ``store calls=N keys=M`` after SIGWINCH, and stops on SIGTERM or SIGINT.
 """
 
 from __future__ import annotations
@@ -43,6 +52,10 @@ READY_PREFIX = "listening on "
 STANDBY_READY = "ready"
 DELAY_ON_SIGNAL = signal.SIGUSR1
 DELAY_OFF_SIGNAL = signal.SIGUSR2
+# Asks the child for its store counts. SIGWINCH because its default action is to ignore it: one that reaches
+# the child before the handler is installed does no harm.
+COUNTS_SIGNAL = signal.SIGWINCH
+COUNTS_PREFIX = "store calls="
 # ServerProcess(server_options=...) names -> the child's flags
 _SERVER_OPTIONS = {"curve_secret_key": "--curve-secret-key", "curve_allowed_clients": "--curve-allowed-clients",
                    "max_peer_lookups": "--max-peer-lookups", "share_keys": "--share-keys"}
@@ -52,6 +65,12 @@ def parse_ready_line(line: str) -> dict[str, str]:
     """The addresses a ready line announces: ``listening on pipelined=ipc://... upstream=ipc://...``."""
     pairs = (item.split("=", 1) for item in line[len(READY_PREFIX):].split())
     return {name: address for name, address in pairs}
+
+
+def parse_counts_line(line: str) -> tuple[int, int]:
+    """``(calls, keys)`` from the child's ``store calls=N keys=M`` line."""
+    fields = dict(item.split("=", 1) for item in line.strip().split()[1:])
+    return int(fields["calls"]), int(fields["keys"])
 
 
 # -- parent side -----------------------------------------------------------------------------------------------
@@ -73,6 +92,9 @@ class ServerProcess:
     ``layout`` (a :class:`~.vllm_layout.Layout`, block size from ``block_size``): answer for a vLLM
     deployment's keys from upstream's own worker, through a read-only store client; no injected delay.
 
+    ``keep_epoch``: our server keeps the store's epoch marker (clients' prefix caches on; see the module
+    docstring). Counts of the store calls the servers made: :meth:`store_counts`.
+
     ``standby``: keep the next child already spawned and imported, waiting for a word on stdin, so a
     restart costs a bind (~0.1 s) instead of an interpreter and a vLLM import. What a restart measures
     is then the client's recovery, not Python's start-up.
@@ -86,7 +108,7 @@ class ServerProcess:
                  rpc_port: int = 0, rpc_base_path: str | None = None, block_size: int = 16,
                  delay_ms: float = 0.0, delay_on: bool = False, reset_delay_ms: float = 0.0,
                  store_rpc_timeout_ms: int | None = 1000, start_timeout_s: float = 90.0,
-                 standby: bool = True, layout: Any = None,
+                 standby: bool = True, layout: Any = None, keep_epoch: bool = False,
                  server_options: dict[str, Any] | None = None) -> None:
         self.transports = (transports,) if isinstance(transports, str) else tuple(transports)
         unknown = [t for t in self.transports if t not in TRANSPORTS]
@@ -105,6 +127,7 @@ class ServerProcess:
         self.start_timeout_s = start_timeout_s
         self.use_standby = standby
         self.layout = layout  # a vllm_layout.Layout: serve a vLLM deployment's keys, read-only
+        self.keep_epoch = keep_epoch
         self.server_options = dict(server_options or {})
         unknown_options = set(self.server_options) - set(_SERVER_OPTIONS)
         if unknown_options:
@@ -159,6 +182,8 @@ class ServerProcess:
         if self.layout is not None:
             argv += ["--vllm-model", self.layout.model, "--cache-prefix", self.layout.cache_prefix,
                      "--tp-size", str(self.layout.tp_size)]
+        if self.keep_epoch:
+            argv.append("--keep-epoch")
         if standby:
             argv.append("--wait-go")
         if PIPELINED in self.transports:
@@ -239,6 +264,17 @@ class ServerProcess:
         want = "delay on" if on else "delay off"
         child.wait_line(lambda ln: ln.strip() == want, timeout_s, want, after=seen)
 
+    def store_counts(self, timeout_s: float = 10.0) -> tuple[int, int]:
+        """``(calls, keys)``: the existence checks the running child's servers sent to the store so far, and the
+        keys they asked (counted around its store client; a restarted child counts from zero)."""
+        child = self._child
+        if child is None:
+            raise RuntimeError("the lookup server process is not running")
+        seen = child.line_count
+        os.kill(child.pid, COUNTS_SIGNAL)
+        line = child.wait_line(COUNTS_PREFIX, timeout_s, "store counts", after=seen)
+        return parse_counts_line(line)
+
     def close(self) -> None:
         """Stop the servers and the standby, and remove the private folder made for the socket."""
         self.stop()
@@ -280,6 +316,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="serve a vLLM deployment's keys for this model (read-only store client)")
     p.add_argument("--cache-prefix", default="", help="with --vllm-model: vLLM's cache_prefix")
     p.add_argument("--tp-size", type=int, default=1, help="with --vllm-model: the tensor-parallel size")
+    p.add_argument("--keep-epoch", action="store_true",
+                   help="our server keeps the store's epoch marker (clients' prefix caches on): a store client "
+                        "that can put it, and with --vllm-model a worker store that is not read-only")
     p.add_argument("--curve-secret-key", default=None, help="pipelined: the server's CURVE key pair file")
     p.add_argument("--curve-allowed-clients", default=None, help="pipelined: the CURVE client keys admitted")
     p.add_argument("--max-peer-lookups", type=int, default=None, help="pipelined: lookups one peer may have waiting")
@@ -310,18 +349,20 @@ def _start_servers(args: argparse.Namespace, backend: Any, worker: Any = None) -
             options["max_peer_lookups"] = args.max_peer_lookups
         if args.share_keys is not None:
             options["share_keys"] = args.share_keys
-        # Over a deployment's store (``worker``) the server keeps no epoch marker: it would be a write.
-        servers[PIPELINED] = LookupServer(backend, args.address or None, marker=worker is None, **options).start()
+        # Over a deployment's store (``worker``) the server keeps no epoch marker unless asked: it is a write.
+        servers[PIPELINED] = LookupServer(backend, args.address or None, marker=worker is None or args.keep_epoch,
+                                          **options).start()
     return servers
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Serve until SIGTERM / SIGINT; prints ``listening on NAME=ADDRESS ...`` once serving."""
     args = _parse(argv)
+    from mooncake_lookout.connector.rigs.counting_store import CountingStore
     from mooncake_lookout.connector.rigs.faults import InjectedDelayBackend
     from mooncake_lookout.connector.rigs.rpc_base_path import use_rpc_base_path
     from mooncake_lookout.connector.server.prefix_index import PrefixIndex
-    from mooncake_lookout.connector.server.store import open_store
+    from mooncake_lookout.connector.server.store import MARKER_LOCAL_BUFFER, open_store
 
     if args.rpc_base_path is not None:
         use_rpc_base_path(args.rpc_base_path)
@@ -334,25 +375,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    store = open_store(args.master, rpc_timeout_ms=args.store_rpc_timeout_ms)
+    store = open_store(args.master, rpc_timeout_ms=args.store_rpc_timeout_ms,
+                       local_buffer_size=MARKER_LOCAL_BUFFER if args.keep_epoch else 0)  # it puts its marker
     worker = None
     if args.vllm_model is not None:
         from mooncake_lookout.connector.rigs.vllm_layout import Layout, ReadOnlyStore, layout_worker
         from mooncake_lookout.connector.server.worker_backend import WorkerBackend
 
         layout = Layout(args.vllm_model, args.cache_prefix, args.tp_size, args.block_size)
-        worker = layout_worker(ReadOnlyStore(store), layout)
+        counted = CountingStore(store if args.keep_epoch else ReadOnlyStore(store))
+        worker = layout_worker(counted, layout)
         backend: Any = WorkerBackend(worker)
     else:
-        backend = InjectedDelayBackend(PrefixIndex(store, args.block_size, args.namespace), args.delay_ms / 1000.0,
-                                       enabled=args.delay_on, reset_delay_s=args.reset_delay_ms / 1000.0)
+        counted = CountingStore(store)
+        backend = InjectedDelayBackend(PrefixIndex(counted, args.block_size, args.namespace),
+                                       args.delay_ms / 1000.0, enabled=args.delay_on,
+                                       reset_delay_s=args.reset_delay_ms / 1000.0)
 
     def switch(on: bool) -> None:
         backend.enabled = on
         print("delay on" if on else "delay off", flush=True)
 
+    def report_counts() -> None:
+        calls, keys = counted.counts()
+        print(f"{COUNTS_PREFIX}{calls} keys={keys}", flush=True)
+
     signal.signal(DELAY_ON_SIGNAL, lambda *_: switch(True))
     signal.signal(DELAY_OFF_SIGNAL, lambda *_: switch(False))
+    signal.signal(COUNTS_SIGNAL, lambda *_: report_counts())
     servers = _start_servers(args, backend, worker)
     print(READY_PREFIX + " ".join(f"{name}={server.address}" for name, server in servers.items()), flush=True)
     try:
@@ -368,7 +418,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     os._exit(0)
 
 
-__all__ = ["DELAY_OFF_SIGNAL", "DELAY_ON_SIGNAL", "READY_PREFIX", "ServerProcess", "main", "parse_ready_line"]
+__all__ = ["COUNTS_SIGNAL", "DELAY_OFF_SIGNAL", "DELAY_ON_SIGNAL", "READY_PREFIX", "ServerProcess", "main",
+           "parse_counts_line", "parse_ready_line"]
 
 if __name__ == "__main__":
     sys.exit(main())
