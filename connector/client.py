@@ -86,7 +86,7 @@ class LookupClient:
         self._held: OrderedDict[str, None] = OrderedDict()  # answered entries kept for retries, oldest first
         # The store's epoch as replies name it (a wipe by anyone changes it) and the prefix cache under it,
         # on once the scheduler adapter says the layout allows it (prefix_cache.py).
-        self.store_view = StoreView(config, self.observers.cache_cleared)
+        self.store_view = StoreView(config, lambda reason, blocks: self.observers.cache_cleared(reason, blocks))
         transport.on_epoch = self.store_view.heard
         # Until the scheduler adapter calls end_step, nothing is known of steps: every call sends and drains.
         self._stepped = False

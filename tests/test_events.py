@@ -83,9 +83,10 @@ def test_background_observer_survives_a_failing_observer_and_drops_past_its_back
     bg.close()
 
 
-def test_observers_added_after_the_client_hear_late_replies_and_breaker_changes(tmp_path) -> None:
+def test_observers_added_after_the_client_hear_late_replies_breaker_changes_and_cache_clears(tmp_path) -> None:
     """vLLM's connector adds its metrics observers after building the client: the transport's late-reply
-    callback and the breaker's change callback must reach them (they were bound once, at construction)."""
+    callback, the breaker's change callback and the prefix cache's clears must reach them (they were bound
+    once, at construction)."""
     from mooncake_lookout.connector.client import LookupClient
     from mooncake_lookout.connector.config import LookupConfig
     from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
@@ -94,12 +95,16 @@ def test_observers_added_after_the_client_hear_late_replies_and_breaker_changes(
         def __init__(self) -> None:
             self.late = 0
             self.changes: list[bool] = []
+            self.clears: list[tuple[str, int]] = []
 
         def late_reply(self) -> None:
             self.late += 1
 
         def breaker_changed(self, is_open: bool) -> None:
             self.changes.append(is_open)
+
+        def cache_cleared(self, reason: str, blocks: int) -> None:
+            self.clears.append((reason, blocks))
 
     config = LookupConfig(lookup_transport="pipelined", lookup_breaker_failures=1)
     client = LookupClient(config, PipelinedTransport(f"ipc://{tmp_path}/nobody.sock", timeout_s=0.01))
@@ -108,6 +113,9 @@ def test_observers_added_after_the_client_hear_late_replies_and_breaker_changes(
         client.observers.add(listener)
         client.transport.on_late_reply()  # what the transport calls for a reply whose lookup already ended
         client.breaker.record(False)
-        assert listener.late == 1 and listener.changes == [True]
+        assert client.enable_prefix_cache(16) and client.cache is not None
+        client.cache.add([b"h" * 32], 0, 1, until=float("inf"))
+        client.store_view.clear("epoch")  # what a reply naming a new store epoch does
+        assert listener.late == 1 and listener.changes == [True] and listener.clears == [("epoch", 1)]
     finally:
         client.close()

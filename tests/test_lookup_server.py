@@ -387,7 +387,7 @@ def test_serve_command_with_embedded_master_answers_and_serves_metrics(tmp_path:
     metrics_port = free_port()
     serve = ChildProcess(
         [sys.executable, "-m", "mooncake_lookout.connector.cli.serve", "--embedded-master", "--tcp-port", "0",
-         "--metrics-port", str(metrics_port), "--log-level", "WARNING"], name="serve")
+         "--metrics-port", str(metrics_port), "--lease-window-ms", "1000", "--log-level", "INFO"], name="serve")
     ctx = zmq.Context()
     try:
         address = serve.wait_line("listening on ", 60.0).split()[-1]
@@ -399,6 +399,10 @@ def test_serve_command_with_embedded_master_answers_and_serves_metrics(tmp_path:
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as resp:
             text = resp.read().decode()
         assert f'{catalogue.SERVER_REQUESTS.name}_total{{status="ok"}} 1.0' in text
+        # The embedded master leases a found key as a real one does by default (10 s), so the clients'
+        # prefix caches may trust a found block for the window asked: the probe passes, no ERROR.
+        verdict = serve.wait_line(lambda line: "key lease" in line, 30.0, "the lease probe's verdict")
+        assert "covers 1000 ms" in verdict and "ERROR" not in verdict, verdict
         serve.proc.send_signal(signal.SIGTERM)
         assert serve.wait_exit(30) == 0  # stops cleanly, its embedded master with it
     finally:

@@ -80,3 +80,9 @@ def test_soak_with_random_faults_keeps_every_guarantee(transport: str, lookups: 
     assert report.rss_growth_mb < 10.0
     assert report.outcomes.get("hit", 0) > 0 and report.outcomes.get("miss", 0) > 0
     assert report.outcomes.get("timeout", 0) > 0, "the faults never bit: the soak proves nothing"
+    cache = report.prefix_cache
+    if transport == "pipelined":  # the prefix cache is on (issue 19): it knew blocks, and the faults cleared it
+        assert cache["known_blocks"] > 0, f"the prefix cache never knew a block: it was off ({cache})"
+        assert cache["clears"].get("epoch", 0) + cache["clears"].get("reset", 0) > 0, cache
+    else:  # vLLM's own server names no store epoch: nothing is cached
+        assert cache["known_blocks"] == 0, cache

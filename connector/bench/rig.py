@@ -31,10 +31,10 @@ from typing import Any
 
 from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.events import LookupObserver, ObserverSet
+from mooncake_lookout.connector.rigs.master import MOONCAKE_LEASE_MS
 from mooncake_lookout.connector.transport.names import PIPELINED, UPSTREAM
 
 BLOCK_SIZE = 16
-MOONCAKE_LEASE_MS = 10_000  # Mooncake 0.3.13's --default_kv_lease_ttl, what a master runs with unless told
 _ports = itertools.count(7000 + os.getpid() % 1000 * 10)
 
 

@@ -36,6 +36,17 @@ def _faults(r: dict[str, Any]) -> str:
     return f"{sum(faults.values())} (" + ", ".join(f"{n} {f.replace('_', ' ')}" for f, n in faults.items()) + ")"
 
 
+def _prefix_cache(r: dict[str, Any]) -> str:
+    c = r.get("prefix_cache")
+    if not c:
+        return "not recorded (soak from before the cache ran in it)"
+    if not c.get("known_blocks"):
+        return "off (vLLM's server names no store epoch)"
+    clears = ", ".join(f"{n:,} {reason}" for reason, n in c.get("clears", {}).items()) or "none"
+    share = c["known_blocks"] / max(1, c.get("countable_blocks", 0))
+    return f"on: knew {share:.0%} of {c.get('countable_blocks', 0):,} countable blocks; cleared {clears}"
+
+
 def _verdict(r: dict[str, Any]) -> str:
     return "every guarantee held" if r.get("ok") else "**a guarantee broke** (the soak exited 1)"
 
@@ -45,6 +56,7 @@ ROWS: tuple[tuple[str, Cell], ...] = (
     ("faults injected", _faults),
     ("outcomes", _outcomes),
     ("wrong / stale hits", lambda r: f"**{r.get('wrong_hits')} / {r.get('stale_hits')}**"),
+    ("prefix cache (issue 19)", _prefix_cache),
     ("`lookup()` calls over the deadline + the slack", _calls_over),
     ("blocking calls (sync mode)", _blocking),
     ("how late an answer came after its deadline (max)", lambda r: f"{num(r.get('max_late_ms'), 1)} ms"),
@@ -54,7 +66,8 @@ ROWS: tuple[tuple[str, Cell], ...] = (
      lambda r: f"{num(r.get('max_recovery_s'), 2)} s; {r.get('recoveries_failed')}"),
     ("verdict", _verdict),
 )
-SUMMARY = ("wrong / stale hits", "`lookup()` calls over the deadline + the slack", "rounds ending with pending lookups",
+SUMMARY = ("wrong / stale hits", "prefix cache (issue 19)",
+           "`lookup()` calls over the deadline + the slack", "rounds ending with pending lookups",
            "memory growth (RSS, after warm-up to the end)", "slowest recovery after a fault; recoveries that failed",
            "verdict")
 

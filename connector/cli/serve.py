@@ -82,10 +82,10 @@ def _server_observers(args: argparse.Namespace, stack: contextlib.ExitStack) -> 
 def run_serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM / SIGINT; returns the process exit code."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from mooncake_lookout.connector.rigs.master import EmbeddedMaster, MasterError
+    from mooncake_lookout.connector.rigs.master import MOONCAKE_LEASE_MS, EmbeddedMaster, MasterError
     from mooncake_lookout.connector.server import LookupServer
     from mooncake_lookout.connector.server.prefix_index import PrefixIndex
-    from mooncake_lookout.connector.server.store import MARKER_LOCAL_BUFFER, open_store
+    from mooncake_lookout.connector.server.store import MARKER_LOCAL_BUFFER, WRITER_GLOBAL_SEGMENT, open_store
 
     try:
         security = server_security(args, _listen_address(args))
@@ -99,14 +99,16 @@ def run_serve(args: argparse.Namespace) -> int:
         try:
             layout = read_layout(args) if args.vllm_layout else None
             if args.embedded_master:
-                master_address = stack.enter_context(EmbeddedMaster()).rpc_address
+                master_address = stack.enter_context(EmbeddedMaster(kv_lease_ttl_ms=MOONCAKE_LEASE_MS)).rpc_address
                 logger.info("embedded Mooncake master on %s", master_address)
             else:
                 master_address = args.master or (layout.master if layout else None)
             if not master_address:
                 raise LayoutError("give --master HOST:PORT or --embedded-master (with --vllm-layout, "
                                   "--mooncake-config may name the master)")
-            store = open_store(master_address, local_buffer_size=MARKER_LOCAL_BUFFER,  # it puts its marker
+            # It puts its marker; an embedded master has no other client, so this one lends it memory.
+            store = open_store(master_address, local_buffer_size=MARKER_LOCAL_BUFFER,
+                               global_segment_size=WRITER_GLOBAL_SEGMENT if args.embedded_master else 0,
                                tenant_id=layout.tenant_id if layout else None)
             stack.callback(store.close)
             backend = (vllm_layout_backend(layout, store, stack) if layout

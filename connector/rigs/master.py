@@ -82,6 +82,9 @@ def _stop_leftover_masters() -> None:
         master.kill()
 
 
+MOONCAKE_LEASE_MS = 10_000  # Mooncake 0.3.13's --default_kv_lease_ttl, what a master runs with unless told
+
+
 class EmbeddedMaster:
     """A real ``mooncake_master`` on 127.0.0.1, started and stopped by pid.
 
@@ -251,4 +254,4 @@ class EmbeddedMaster:
         return f"EmbeddedMaster({self.rpc_address}, metrics={self.metrics_url}, {state})"
 
 
-__all__ = ["EmbeddedMaster", "MasterError", "find_master_binary", "free_port"]
+__all__ = ["MOONCAKE_LEASE_MS", "EmbeddedMaster", "MasterError", "find_master_binary", "free_port"]

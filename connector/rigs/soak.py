@@ -40,7 +40,7 @@ from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.events import LookupRecord, NullObserver, Outcome
 from mooncake_lookout.connector.job import LookupResult
 from mooncake_lookout.connector.rigs.machine import load_average, machine
-from mooncake_lookout.connector.rigs.master import EmbeddedMaster
+from mooncake_lookout.connector.rigs.master import MOONCAKE_LEASE_MS, EmbeddedMaster
 from mooncake_lookout.connector.rigs.server_process import ServerProcess
 from mooncake_lookout.connector.rigs.workload import WorkloadRequest, shared_prefix_workload
 from mooncake_lookout.connector.server.prefix_index import PrefixIndex
@@ -152,6 +152,8 @@ class _ClientLog(NullObserver):
     def __init__(self) -> None:
         self.last_sent = 0.0
         self.outcomes: dict[str, Outcome] = {}
+        self.cache = {"countable_blocks": 0, "known_blocks": 0, "answered_from_cache": 0}
+        self.cache_clears: dict[str, int] = {}
 
     def started(self, rec: LookupRecord) -> None:
         if rec.t_start is not None and rec.t_start > self.last_sent:
@@ -160,6 +162,12 @@ class _ClientLog(NullObserver):
     def consumed(self, rec: LookupRecord) -> None:
         if rec.outcome is not None:
             self.outcomes[rec.req_id] = rec.outcome
+        self.cache["countable_blocks"] += rec.countable_blocks
+        self.cache["known_blocks"] += rec.known_blocks
+        self.cache["answered_from_cache"] += rec.from_cache
+
+    def cache_cleared(self, reason: str, blocks: int) -> None:
+        self.cache_clears[reason] = self.cache_clears.get(reason, 0) + 1
 
 
 class FaultRig:
@@ -182,17 +190,24 @@ class FaultRig:
         self.violations = Violations()
         self._log = _ClientLog()
         try:  # a failed start must not leave a master or a server process behind
-            self.master = master if master is not None else self._stack.enter_context(EmbeddedMaster())
+            # A master of its own leases found keys as Mooncake does unless told (10 s), as in production.
+            self.master = master if master is not None else self._stack.enter_context(
+                EmbeddedMaster(kv_lease_ttl_ms=MOONCAKE_LEASE_MS))
             self.writer = open_writer_store(self.master.rpc_address, rpc_timeout_ms=2000)
             self._stack.callback(self._close_writer)
             self.truth_index = PrefixIndex(self.writer, BLOCK_SIZE, self.namespace)
+            # keep_epoch: our server keeps the store's epoch as it does inside vLLM, so the clients' prefix
+            # caches are on (what the faults must not fool).
             kwargs = dict(namespace=self.namespace, rpc_port=os.getpid() % 50_000 + 1,
-                          rpc_base_path=self.rpc_base, block_size=BLOCK_SIZE)
+                          rpc_base_path=self.rpc_base, block_size=BLOCK_SIZE, keep_epoch=True)
             kwargs.update(server_kwargs or {})
             self.server = ServerProcess(transport, self.master.rpc_address, **kwargs)
             self._stack.callback(self.server.close)
             self.server.start()
-            self.config = LookupConfig(**{"lookup_transport": transport, **(config or {})})
+            # Found blocks are trusted for at most half the master's lease (the rule the chart and docs give).
+            ttl_ms = min(LookupConfig().lookup_answer_ttl_ms, self.master.kv_lease_ttl_ms / 2)
+            self.config = LookupConfig(**{"lookup_transport": transport, "lookup_answer_ttl_ms": ttl_ms,
+                                          **(config or {})})
             self.budget = CallBudget(self.config.timeout_s)
             self.client = self.new_client()
         except BaseException:
@@ -212,6 +227,16 @@ class FaultRig:
     def last_sent(self) -> float:
         """When the rig's clients last sent a lookup: a lookup still queued ends with the one sent ahead of it."""
         return self._log.last_sent
+
+    def cache_figures(self) -> dict[str, int]:
+        """The rig's clients' prefix cache so far: blocks that could count, blocks it knew, answers with no
+        round trip."""
+        return dict(self._log.cache)
+
+    @property
+    def cache_clears(self) -> dict[str, int]:
+        """How often the rig's clients' prefix caches were cleared, by reason."""
+        return self._log.cache_clears
 
     def outcome(self, req_id: str) -> Outcome | None:
         """How the latest lookup of ``req_id`` by the rig's clients ended."""
@@ -346,6 +371,9 @@ class SoakReport:
     timeout_ms: float
     slack_ms: float
     ok: bool
+    # The prefix cache under the faults: blocks that could count, blocks it knew, answers with no round trip;
+    # and its clears by reason (reset, epoch, failure).
+    prefix_cache: dict[str, Any] = field(default_factory=dict)
     examples: dict[str, list[Any]] = field(default_factory=dict)  # first few violations of each kind
 
     def as_text(self) -> str:
@@ -562,6 +590,7 @@ def _report(rig: FaultRig, transport: str, tally: Tally, track: _Tracking, timeo
         rss_growth_mb=round((rss1 - (track.rss0 or rss1)) / 2**20, 2),
         max_recovery_s=round(max(track.recoveries), 3) if track.recoveries else None,
         recoveries_failed=track.recoveries_failed, timeout_ms=timeout_ms, slack_ms=SLACK_S * 1000, ok=False,
+        prefix_cache={**rig.cache_figures(), "clears": dict(rig.cache_clears)},
         examples={k: list(getattr(v, k))[:5] for k in ("wrong", "stale", "slow_calls", "late_answers",
                                                         "pending_left")})
     report.ok = (v.empty() and track.recoveries_failed == 0 and report.rss_growth_mb < 10
