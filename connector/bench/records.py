@@ -48,21 +48,29 @@ class Run:
         return f"{num(self.load('start'), 2)} -> {num(self.load('end'), 2)}"
 
 
+def _committed(root: Path, pattern: re.Pattern[str], required: Sequence[str], what: str,
+               none_found: str) -> list[tuple[str, str, dict[str, Any]]]:
+    """``(name from the pattern, path from the root, its JSON)`` of each committed file under ``root /
+    RUNS_DIR`` that ``pattern`` names; ValueError when there is none, or one lacks a ``required`` key."""
+    found = sorted((m.group(1), p) for p in (root / RUNS_DIR).glob("*.json") if (m := pattern.match(p.name)))
+    if not found:
+        raise ValueError(none_found)
+    out = []
+    for name, path in found:
+        results = json.loads(path.read_text())
+        missing = [k for k in required if k not in results]
+        if missing:
+            raise ValueError(f"{RUNS_DIR / path.name} is not {what}: no {', '.join(missing)}")
+        out.append((name, str(RUNS_DIR / path.name), results))
+    return out
+
+
 def load_runs(root: Path) -> list[Run]:
     """Every ``run-N.json`` under ``root / RUNS_DIR``, by N; ValueError when there is none or one is not a run."""
-    folder = root / RUNS_DIR
-    found = sorted((int(m.group(1)), p) for p in folder.glob("run-*.json") if (m := RUN_FILE.match(p.name)))
-    if not found:
-        raise ValueError(f"no committed bench run: expected {RUNS_DIR}/run-1.json (a bench.json of "
-                         "`mooncake-lookout bench --out DIR`)")
-    runs = []
-    for number, path in found:
-        results = json.loads(path.read_text())
-        missing = [k for k in ("machine", "targets", "quick") if k not in results]
-        if missing:
-            raise ValueError(f"{RUNS_DIR / path.name} is not a bench.json: no {', '.join(missing)}")
-        runs.append(Run(number, str(RUNS_DIR / path.name), results))
-    return runs
+    found = _committed(root, RUN_FILE, ("machine", "targets", "quick"), "a bench.json",
+                       f"no committed bench run: expected {RUNS_DIR}/run-1.json (a bench.json of "
+                       "`mooncake-lookout bench --out DIR`)")
+    return sorted((Run(int(n), path, results) for n, path, results in found), key=lambda r: r.number)
 
 
 @dataclass(frozen=True)
@@ -83,19 +91,11 @@ class Soak:
 
 def load_soaks(root: Path) -> list[Soak]:
     """Every ``soak-T.json`` under ``root / RUNS_DIR``, by transport; ValueError when there is none."""
-    folder = root / RUNS_DIR
-    found = sorted((m.group(1), p) for p in folder.glob("soak-*.json") if (m := SOAK_FILE.match(p.name)))
-    if not found:
-        raise ValueError(f"no committed soak: expected {RUNS_DIR}/soak-pipelined.json (what `python -m "
-                         "mooncake_lookout.connector.rigs.soak --transport pipelined --json` printed)")
-    soaks = []
-    for transport, path in found:
-        results = json.loads(path.read_text())
-        missing = [k for k in ("lookups", "calls_over_bound", "machine") if k not in results]
-        if missing:
-            raise ValueError(f"{RUNS_DIR / path.name} is not a soak report with its machine: no {', '.join(missing)}")
-        soaks.append(Soak(transport, str(RUNS_DIR / path.name), results))
-    return soaks
+    found = _committed(root, SOAK_FILE, ("lookups", "calls_over_bound", "machine"),
+                       "a soak report with its machine",
+                       f"no committed soak: expected {RUNS_DIR}/soak-pipelined.json (what `python -m "
+                       "mooncake_lookout.connector.rigs.soak --transport pipelined --json` printed)")
+    return [Soak(transport, path, results) for transport, path, results in found]
 
 
 def load_demo(root: Path) -> str:
