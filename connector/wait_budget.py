@@ -9,8 +9,11 @@ waiting many times over.
 if that fits in ``lookup_wait_auto_share`` of the measured step interval and most waits are answered in
 time; otherwise (the store is far, or slow right now) the budget is 0 and the scheduler defers at once.
 While the budget is 0, one step in :data:`PROBE_EVERY` still waits up to the cap, to notice when the store
-is close again. Auto gives up the same way when no answer has ever come within the cap (no round trip
-measured, most of its first :data:`LEARN_WAITS` waits ran out). Used only from the scheduler's thread.
+is close again; a probe answered well within the cap starts the history afresh from it, so round trips
+measured while the store was slow (a cold start, a past stall) do not keep auto from waiting once it is close
+again (they would: while auto does not wait, only probes add samples). Auto gives up the same way when no
+answer has ever come within the cap (no round trip measured, most of its first :data:`LEARN_WAITS` waits ran
+out). Used only from the scheduler's thread.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ class WaitBudget:
         self._wait_next = 0
         self._p90_s: float | None = None  # unknown until measured
         self._fresh = 0
+        self._probing = False  # this step waits only to probe (auto had stopped waiting)
+        self._cap_s = 0.0
         self._last_step: float | None = None
         self.last_interval_s: float | None = None  # seconds between the last two steps; None before two
         self._steps = 0
@@ -69,6 +74,9 @@ class WaitBudget:
         self._wait_next = (self._wait_next + 1) % WAITS
         if rtt_s is None:
             return
+        if self._probing and rtt_s + MARGIN_S <= self._cap_s:  # close again: forget the slow history
+            self._rtts, self._rtt_next, self._ran_out, self._wait_next = [], 0, [False], 1
+            self._p90_s, self._fresh, self._probing = None, 0, False
         _push(self._rtts, rtt_s, SAMPLES, self._rtt_next)
         self._rtt_next = (self._rtt_next + 1) % SAMPLES
         self._fresh += 1
@@ -84,15 +92,17 @@ class WaitBudget:
             self.step_interval_s += 0.2 * (self.last_interval_s - self.step_interval_s)
         self._last_step = now
         self._steps += 1
+        self._probing = False
         if self.auto:
-            cap = self.share * self.step_interval_s
+            cap = self._cap_s = self.share * self.step_interval_s
             ran_out = sum(self._ran_out) / len(self._ran_out) if self._ran_out else 0.0
             if self._p90_s is None and (len(self._ran_out) < LEARN_WAITS or ran_out <= MAX_RAN_OUT):
                 self.in_force_s = cap  # nothing measured yet: wait up to the cap to learn
             elif self._p90_s is not None and self._p90_s + MARGIN_S <= cap and ran_out <= MAX_RAN_OUT:
                 self.in_force_s = self._p90_s + MARGIN_S
             else:
-                self.in_force_s = cap if self._steps % PROBE_EVERY == 0 else 0.0
+                self._probing = self._steps % PROBE_EVERY == 0
+                self.in_force_s = cap if self._probing else 0.0
         self._left_s = self.in_force_s
         return self.in_force_s
 

@@ -48,3 +48,27 @@ def test_a_fixed_budget_is_what_it_says() -> None:
     budget = WaitBudget(0.0002)
     _, budgets = _steps(budget, 5, 0.0, None)
     assert budgets == [0.0002] * 5
+
+
+def test_auto_waits_again_once_a_probe_finds_the_store_close_after_a_slow_start() -> None:
+    """Round trips measured during a slow start (long steps, slow answers) must not keep auto from waiting
+    once steps are short and the store is close: while auto does not wait only probes add samples, so the
+    slow ones stayed in its history for thousands of steps (the bench's scenario c deferred ~1 step per
+    request in 2 of 3 runs for this reason)."""
+    budget = WaitBudget(None, share=0.25)
+    t = 0.0
+    for _ in range(70):  # a slow start: 10 ms steps, answers after 2 ms (within the 2.5 ms cap)
+        if budget.new_step(t) > 0:
+            budget.observe(0.002)
+        t += 0.010
+    fast_step_s, rtt_s = 0.002, 0.0003  # then 2 ms steps (cap 0.5 ms), answers after 0.3 ms
+    budgets = []
+    for _ in range(4 * PROBE_EVERY):
+        in_force = budget.new_step(t)
+        budgets.append(in_force)
+        if in_force > 0:
+            budget.observe(rtt_s if rtt_s <= in_force else None)
+        t += fast_step_s
+    last = budgets[-PROBE_EVERY:]
+    assert all(b > 0 for b in last), f"auto stopped waiting for a store that answers well within the cap: {last}"
+    assert abs(last[-1] - (rtt_s + MARGIN_S)) < 1e-9
