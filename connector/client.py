@@ -333,9 +333,9 @@ class LookupClient:
         self.transport.collect(wait, until=job)
         if non_block:
             self.budget.spend(time.perf_counter() - now)
-        if job.sent_at is not None:
+        if job.sent_at is not None:  # what the wait took: the share of the round trip not spent on other work
             if job.answer is not None and job.rec.t_answer is not None:
-                self.budget.observe(job.rec.t_answer - job.sent_at)
+                self.budget.observe(job.rec.t_answer - max(now, job.sent_at))
             else:
                 self.budget.observe(None)  # the wait ran out first
         if job.answer is None and job.expired(time.perf_counter()):
