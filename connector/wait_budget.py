@@ -5,17 +5,17 @@ microseconds later; waiting that long uses the answer in the step it was asked f
 the request a whole step. A budget per *step* (not per call) keeps a step with many new requests from
 waiting many times over.
 
-``auto`` follows the measured round trip: the budget is the p90 of recent answered waits plus a margin,
-if that fits in ``lookup_wait_auto_share`` of the measured step interval and most waits are answered in
-time. A wait is timed from when it began (or the send, if later), not from the send: the scheduler's own
-work between the send and the call that waits already covers part of the round trip, and timing from the
-send made auto give up on waits it could afford; otherwise (the store is far, or slow right now) the budget is 0 and the scheduler defers at once.
-While the budget is 0, one step in :data:`PROBE_EVERY` still waits up to the cap, to notice when the store
-is close again; a probe answered within the cap starts the history afresh from it, so waits measured while
-the store was slow (a cold start, a past stall) do not keep auto from waiting once it is close
-again (they would: while auto does not wait, only probes add samples). Auto gives up the same way when no
-answer has ever come within the cap (no round trip measured, most of its first :data:`LEARN_WAITS` waits ran
-out). Used only from the scheduler's thread.
+``auto`` follows the measured round trip: the budget is the p90 of recent answered waits plus a margin, if
+that fits in ``lookup_wait_auto_share`` of the measured step interval and most waits are answered in time;
+otherwise (the store is far, or slow right now) the budget is 0 and the scheduler defers at once. A wait is
+timed from when it began (or the send, if later), not from the send: the scheduler's own work between the send
+and the call that waits already covers part of the round trip, and timing from the send made auto give up on
+waits it could afford. While the budget is 0, one step in :data:`PROBE_EVERY` still waits up to the cap, to
+notice when the store is close again; a probe answered within the cap starts the history afresh from it, so
+waits measured while the store was slow (a cold start, a past stall) do not keep auto from waiting once it is
+close again (they would: while auto does not wait, only probes add samples). Auto gives up the same way when
+no answer has ever come within the cap (no round trip measured, most of its first :data:`LEARN_WAITS` waits
+ran out). Used only from the scheduler's thread.
 """
 
 from __future__ import annotations

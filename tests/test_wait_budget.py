@@ -1,11 +1,21 @@
 """``lookup_wait_us: auto`` (WaitBudget) on given step times and wait outcomes: what it waits, and when it stops.
 
 The budget is pure arithmetic on the times it is handed (``new_step(now)``) and the waits it is told about
-(``observe``), so these tests drive it step by step with chosen numbers; the scheduler tests run it for real.
+(``observe``), so most tests here drive it step by step with chosen numbers; the last one checks what our
+client tells it, against a real lookup server; the scheduler tests run it for real.
 """
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
+from mooncake_lookout.connector.client import LookupClient
+from mooncake_lookout.connector.config import LookupConfig
+from mooncake_lookout.connector.rigs.faults import InjectedDelayBackend
+from mooncake_lookout.connector.rigs.workload import unique_hashes
+from mooncake_lookout.connector.server import LookupServer
+from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
 from mooncake_lookout.connector.wait_budget import MARGIN_S, PROBE_EVERY, WaitBudget
 
 STEP_S = 0.010  # a 10 ms step: auto may wait up to 2.5 ms at the default share
@@ -72,3 +82,29 @@ def test_auto_waits_again_once_a_probe_finds_the_store_close_after_a_slow_start(
     last = budgets[-PROBE_EVERY:]
     assert all(b > 0 for b in last), f"auto stopped waiting for a store that answers well within the cap: {last}"
     assert abs(last[-1] - (rtt_s + MARGIN_S)) < 1e-9
+
+
+def test_our_client_times_a_wait_from_when_it_began_not_from_the_send(prefix_index: Any) -> None:
+    """The step's first call sends every lookup of the step; the scheduler then works before the call that
+    waits. That work covers part of the round trip: auto must learn how long the *wait* took (it learnt the
+    whole round trip, and so gave up on waits it could afford). INJECTED FAULT: the server's store call is
+    delayed 150 ms, so the round trip is long enough to time with a plain sleep for the scheduler's work."""
+    server = LookupServer(InjectedDelayBackend(prefix_index, 0.150)).start()
+    config = LookupConfig(lookup_transport="pipelined", lookup_async=True, lookup_wait_us="auto",
+                          lookup_wait_auto_share=0.9, lookup_timeout_ms=5000)
+    client = LookupClient(config, PipelinedTransport(server.address, timeout_s=5.0))
+    try:
+        for _ in range(3):  # two 400 ms steps: the cap (0.9 x the step interval) reaches ~135 ms
+            client.end_step()
+            time.sleep(0.4)
+        hashes = unique_hashes(4, seed=11)
+        client.start("a", 65, hashes, admission=True)  # admitted after the step's calls (vLLM's add_request)
+        client.end_step()  # the step ends: what is unsent goes out; the answer is 150 ms away
+        assert client.budget.left() > 0.125
+        time.sleep(0.075)  # the scheduler's work between the send and the call that waits
+        assert client.lookup("a", 65, hashes, non_block=True) is not None  # waited ~75 ms of its budget
+        waited = client.budget.rtt_p90_s
+        assert waited is not None and waited < 0.125, f"auto learnt {waited} s: the round trip, not the wait"
+    finally:
+        client.close()
+        server.close()
