@@ -12,11 +12,11 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from mooncake_lookout.connector.cli.docs import extract, render_values_table
-from mooncake_lookout.connector.config import KEYS, ConfigError, LookupConfig
+from mooncake_lookout.connector.config import _FILE_RULE, KEYS, ConfigError, LookupConfig
 
 import chart  # helm/tools/chart.py (conftest puts helm/tools on sys.path)
 import values_schema  # helm/tools
@@ -94,10 +94,20 @@ def _lookup_value(key):
     return st.one_of(around, wrong)
 
 
+CURVE_SERVER_PUBLIC_KEY = next(k for k in KEYS if k.name == "lookup_curve_server_public_key")
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.sampled_from(KEYS).flatmap(lambda key: st.tuples(st.just(key), _lookup_value(key))))
+@example((CURVE_SERVER_PUBLIC_KEY, "/"))  # found by this test in a fresh-clone run: an absolute path, no key file
 def test_schema_accepts_a_lookup_value_exactly_when_the_connector_does(key_value):
     key, value = key_value
+    if key.rule == _FILE_RULE:
+        # A key file: the schema checks its form ('' or an absolute path, as the chart mounts it); only the
+        # connector can read the file (a missing or bad file is a ConfigError: tests/test_curve.py).
+        assert jsonschema.Draft7Validator(LOOKUP_SCHEMA["properties"][key.name]).is_valid(value) == (
+            isinstance(value, str) and (value == "" or value.startswith("/"))), f"{key.name}={value!r}"
+        return
     # What the engine receives: helm holds numbers as float64 and its toJson writes integral ones without ".0".
     as_rendered = int(value) if isinstance(value, float) and value.is_integer() and abs(value) < 1e21 else value
     try:
