@@ -28,6 +28,7 @@ prometheus_binary    session  the path of Debian's ``prometheus`` (fails the tes
 from __future__ import annotations
 
 import itertools
+import os
 import shutil
 import subprocess
 import sys
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import settings
 
 from mooncake_lookout.connector.rigs.master import EmbeddedMaster
 from mooncake_lookout.connector.rigs.workload import shared_prefix_workload, unique_hashes
@@ -49,6 +51,12 @@ _ROOT = Path(__file__).resolve().parents[1]
 for _scripts in (_ROOT / "dashboards", _ROOT / "helm" / "tools"):
     if str(_scripts) not in sys.path:
         sys.path.insert(0, str(_scripts))
+
+# Property tests draw the same examples on every run (a failure is then a failure every time, never one run in
+# twenty); HYPOTHESIS_PROFILE=explore draws new ones, to look for more (then pin what it finds with @example).
+settings.register_profile("repeatable", derandomize=True, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 BLOCK_SIZE = 16  # tokens per block in every index the fixtures build
 SESSION_RPC_TIMEOUT_MS = 5000  # bounds any call on the shared client, should the shared master stall

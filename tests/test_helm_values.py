@@ -16,7 +16,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from mooncake_lookout.connector.cli.docs import extract, render_values_table
-from mooncake_lookout.connector.config import _FILE_RULE, KEYS, ConfigError, LookupConfig
+from mooncake_lookout.connector.config import KEYS, ConfigError, LookupConfig
 
 import chart  # helm/tools/chart.py (conftest puts helm/tools on sys.path)
 import values_schema  # helm/tools
@@ -95,15 +95,17 @@ def _lookup_value(key):
 
 
 CURVE_SERVER_PUBLIC_KEY = next(k for k in KEYS if k.name == "lookup_curve_server_public_key")
+PATH_KEYS = {k.name for k in KEYS if k.name.startswith("lookup_curve_")}  # key files, or a folder of them
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.sampled_from(KEYS).flatmap(lambda key: st.tuples(st.just(key), _lookup_value(key))))
 @example((CURVE_SERVER_PUBLIC_KEY, "/"))  # found by this test in a fresh-clone run: an absolute path, no key file
+@example((next(k for k in KEYS if k.name == "lookup_curve_allowed_clients"), "/"))
 def test_schema_accepts_a_lookup_value_exactly_when_the_connector_does(key_value):
     key, value = key_value
-    if key.rule == _FILE_RULE:
-        # A key file: the schema checks its form ('' or an absolute path, as the chart mounts it); only the
+    if key.name in PATH_KEYS:
+        # A key file (or folder): the schema checks its form ('' or an absolute path, as the chart mounts it); only the
         # connector can read the file (a missing or bad file is a ConfigError: tests/test_curve.py).
         assert jsonschema.Draft7Validator(LOOKUP_SCHEMA["properties"][key.name]).is_valid(value) == (
             isinstance(value, str) and (value == "" or value.startswith("/"))), f"{key.name}={value!r}"
