@@ -24,8 +24,24 @@ SOAK_FILE = re.compile(r"^soak-([\w-]+)\.json$")  # `python -m ...rigs.soak --tr
 MISSING = "-"
 
 
+class _MachineLoad:
+    """The 1-minute load average a committed run or soak recorded at its start and end."""
+
+    results: dict[str, Any]
+
+    def load(self, when: str) -> float | None:
+        """The 1-minute load average at ``start`` or ``end``."""
+        values = self.results.get("machine", {}).get(f"loadavg_at_{when}")
+        return float(values[0]) if values else None
+
+    @property
+    def load_text(self) -> str:
+        """``a -> b``: the 1-minute load average at the start and at the end."""
+        return f"{num(self.load('start'), 2)} -> {num(self.load('end'), 2)}"
+
+
 @dataclass(frozen=True)
-class Run:
+class Run(_MachineLoad):
     """One committed run: its number (from ``run-N.json``), its path from the repository root, its results."""
 
     number: int
@@ -36,16 +52,6 @@ class Run:
     def kind(self) -> str:
         """``quick`` or ``full``: how much each scenario did."""
         return "quick" if self.results.get("quick") else "full"
-
-    def load(self, when: str) -> float | None:
-        """The 1-minute load average at ``start`` or ``end`` of the run."""
-        values = self.results.get("machine", {}).get(f"loadavg_at_{when}")
-        return float(values[0]) if values else None
-
-    @property
-    def load_text(self) -> str:
-        """``a -> b``: the 1-minute load average at the start and at the end of the run."""
-        return f"{num(self.load('start'), 2)} -> {num(self.load('end'), 2)}"
 
 
 def _committed(root: Path, pattern: re.Pattern[str], required: Sequence[str], what: str,
@@ -74,19 +80,12 @@ def load_runs(root: Path) -> list[Run]:
 
 
 @dataclass(frozen=True)
-class Soak:
+class Soak(_MachineLoad):
     """One committed soak: its transport (from ``soak-T.json``), its path, its report."""
 
     transport: str
     path: str
     results: dict[str, Any]
-
-    @property
-    def load_text(self) -> str:
-        """``a -> b``: the 1-minute load average at the start and at the end of the soak."""
-        m = self.results.get("machine", {})
-        start, end = m.get("loadavg_at_start"), m.get("loadavg_at_end")
-        return f"{num(start[0] if start else None, 2)} -> {num(end[0] if end else None, 2)}"
 
 
 def load_soaks(root: Path) -> list[Soak]:

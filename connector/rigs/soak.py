@@ -228,15 +228,10 @@ class FaultRig:
         """When the rig's clients last sent a lookup: a lookup still queued ends with the one sent ahead of it."""
         return self._log.last_sent
 
-    def cache_figures(self) -> dict[str, int]:
+    def cache_figures(self) -> dict[str, Any]:
         """The rig's clients' prefix cache so far: blocks that could count, blocks it knew, answers with no
-        round trip."""
-        return dict(self._log.cache)
-
-    @property
-    def cache_clears(self) -> dict[str, int]:
-        """How often the rig's clients' prefix caches were cleared, by reason."""
-        return self._log.cache_clears
+        round trip, and its clears by reason."""
+        return {**self._log.cache, "clears": dict(self._log.cache_clears)}
 
     def outcome(self, req_id: str) -> Outcome | None:
         """How the latest lookup of ``req_id`` by the rig's clients ended."""
@@ -590,7 +585,7 @@ def _report(rig: FaultRig, transport: str, tally: Tally, track: _Tracking, timeo
         rss_growth_mb=round((rss1 - (track.rss0 or rss1)) / 2**20, 2),
         max_recovery_s=round(max(track.recoveries), 3) if track.recoveries else None,
         recoveries_failed=track.recoveries_failed, timeout_ms=timeout_ms, slack_ms=SLACK_S * 1000, ok=False,
-        prefix_cache={**rig.cache_figures(), "clears": dict(rig.cache_clears)},
+        prefix_cache=rig.cache_figures(),
         examples={k: list(getattr(v, k))[:5] for k in ("wrong", "stale", "slow_calls", "late_answers",
                                                         "pending_left")})
     report.ok = (v.empty() and track.recoveries_failed == 0 and report.rss_growth_mb < 10
