@@ -17,17 +17,18 @@ What the scheduler can count on:
   at once (``rejected``). At most ``lookup_max_held`` answers are held for requests not yet allocated
   (past it, the oldest is forgotten and asked again when needed).
 * An answer is served only for the request it was asked for (same ``num_tokens``, same hashes), in the
-  current generation (``reset`` bumps it), and while it is younger than ``lookup_answer_ttl_ms`` counted
-  from when it was sent (kept below the master's key lease, so a served hit is still loadable). Failed
+  current generation (``reset`` bumps it), and only while every block it counts is trusted: found by a store
+  check sent at most ``lookup_answer_ttl_ms`` before (known blocks included), so the master's lease leaves the
+  load its margin (docs/reliability.md, "No stale hit"; checked in :meth:`StoreView.untrusted`). Failed
   or refused answers are not held: the next call asks again.
-* Store errors and timeouts are reported as such to observers, never as plain misses.
+* Store errors and timeouts are reported as such to observers, never as plain misses. ``busy`` and
+  ``bad_request`` replies fail only their lookups: they clear nothing and do not feed the breaker.
 
 Every method is called from one thread (vLLM's engine-core thread); no state here is shared with another.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -40,8 +41,6 @@ from mooncake_lookout.connector.job import Answer, LookupJob, LookupResult, Tail
 from mooncake_lookout.connector.prefix_cache import PrefixCache, StoreView
 from mooncake_lookout.connector.transport.base import Transport, TransportClosed
 from mooncake_lookout.connector.wait_budget import WaitBudget
-
-logger = logging.getLogger(__name__)
 
 _Key = tuple[int, int, bytes]
 
@@ -150,9 +149,10 @@ class LookupClient:
         if job.answer is None:
             self._await(job, non_block, called)
         answer = job.answer
-        if answer is not None and job.rec.t_answer is not None and job.rec.t_answer < self.store_view.wiped_at:
-            # Answered before the store was wiped (a reply read in the same drain told of the wipe): ask again.
-            self.observers.answer_dropped(entry.rec, "wiped")
+        stale = self.store_view.stale(job, answer, time.perf_counter())
+        if stale is not None:
+            # Answered before a wipe (or a store error) heard since, or too late for its blocks' trust: ask again.
+            self.observers.answer_dropped(entry.rec, stale)
             self._drop(req_id, entry)
             # Asked again within the same call's bound: a blocking call never waits past lookup_timeout_ms.
             return None if non_block else self._lookup(req_id, num_tokens, block_hashes, False, trace_headers, called)
@@ -233,19 +233,13 @@ class LookupClient:
 
     # -- internals -----------------------------------------------------------------------------------------
     def _current(self, entry: _Entry, key: _Key) -> bool:
-        """Is ``entry`` still the lookup for this request: same prompt, same generation, answer young enough?"""
+        """Is ``entry`` still the lookup for this request: same prompt, same generation, answer still trusted?"""
         if entry.key != key or entry.rec.generation != self.generation:
             return False
-        rec = entry.rec
-        if entry.final is None or rec.valid_until is None:
-            return True
-        if rec.t_answer is not None and rec.t_answer < self.store_view.wiped_at:
-            self.observers.answer_dropped(rec, "wiped")
-            return False
-        if time.perf_counter() <= rec.valid_until:
-            return True
-        self.observers.answer_dropped(rec, "expired")
-        return False
+        stale = None if entry.final is None else self.store_view.untrusted(entry.rec, time.perf_counter())
+        if stale is not None:
+            self.observers.answer_dropped(entry.rec, stale)
+        return stale is None
 
     def _submit(self, req_id: str, num_tokens: int, block_hashes: Sequence[bytes], key: _Key,
                 trace_headers: Mapping[str, str] | None) -> _Entry:
@@ -304,8 +298,11 @@ class LookupClient:
         jobs, self._unsent = self._unsent, []
         self._sent_this_step = True
         now = time.perf_counter()
+        view = self.store_view
         for job in jobs:
             job.rec.t_queued = now
+            if job.known:
+                view.recheck(job, now)
         try:
             self.transport.send(jobs, urgent=urgent)
         except TransportClosed:
@@ -352,13 +349,15 @@ class LookupClient:
         rec.error = answer.error
         rec.t_consume = time.perf_counter()
         job = entry.job
-        if not answer.local and job is not None and job.sent_at is not None:
+        if answer.evidence and job is not None and job.sent_at is not None:  # refusals teach nothing: busy is no wipe
             self.breaker.record(not answer.failed)
-            rec.valid_until = job.sent_at + self.config.answer_ttl_s
+            rec.valid_until = self.store_view.valid_until(job)
             if answer.failed:
-                self.store_view.clear("failure")  # the master may have restarted: what was known may be gone
+                self.store_view.failed(answer.outcome is Outcome.ERROR)  # the master may have restarted
             else:
                 self.store_view.remember(job, answer.result.hit_length)
+        elif entry.probe:  # a probe turned away busy says nothing: let the next one through at once
+            self.breaker.probe_abandoned()
         self._open -= 1
         self.observers.consumed(rec)
         entry.final = answer

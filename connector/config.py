@@ -101,9 +101,11 @@ class LookupConfig:
                "if needed)",
         lambda v: 1 <= v <= 10_000_000, "1..10000000")
     lookup_answer_ttl_ms: float = _key(
-        5000.0, "a held answer older than this (from when it was sent) is asked again; keep it at most half "
-                "the master's `--default_kv_lease_ttl` (10 s by default), so a served hit is still leased "
-                "when it loads",
+        5000.0, "how long a block found present is trusted, from the send of the store check that found it: a "
+                "hit (fresh, held, or counting blocks the prefix cache knew) is served only while every block it "
+                "counts is within it, else asked again; keep it at most half the master's `--default_kv_lease_ttl` "
+                "(10 s by default): the rest of the lease is the load's margin (the lease probe refuses less "
+                "than 1.2x)",
         lambda v: 0 < v <= 3_600_000, "> 0 and <= 3600000")
     lookup_prefix_cache_blocks: int = _key(
         131072, "block hashes the scheduler remembers as present in the store (each for at most "

@@ -45,6 +45,9 @@ class Answer:
     # Made by the client without a word from the server (refused, or given up while still queued): never
     # evidence about the server's health, so never fed to the circuit breaker.
     local: bool = False
+    # Turned away by the server without asking the store (``busy``: overload; ``bad_request``): the lookup
+    # failed, but nothing is learnt of the store or of the server's health.
+    refused: bool = False
 
     @classmethod
     def from_result(cls, result: LookupResult) -> Answer:
@@ -54,7 +57,13 @@ class Answer:
     @property
     def failed(self) -> bool:
         """True for answers that count against the circuit breaker (the server was asked and failed)."""
-        return not self.local and self.outcome in (Outcome.ERROR, Outcome.TIMEOUT)
+        return not (self.local or self.refused) and self.outcome in (Outcome.ERROR, Outcome.TIMEOUT)
+
+    @property
+    def evidence(self) -> bool:
+        """True when the answer says something of the store (its hit, miss or failure): not made up by the
+        client, not a refusal."""
+        return not (self.local or self.refused)
 
     @property
     def kept(self) -> bool:
@@ -142,7 +151,7 @@ class LookupJob:
     """
 
     __slots__ = ("rec", "num_tokens", "block_hashes", "timeout_s", "latest", "sent_at", "deadline", "answer",
-                 "done", "cancelled", "lookup_id", "known", "epoch", "_observer")
+                 "done", "cancelled", "lookup_id", "known", "epoch", "known_until", "_observer")
 
     def __init__(self, rec: LookupRecord, block_hashes: Sequence[bytes], timeout_s: float,
                  observer: LookupObserver) -> None:
@@ -162,6 +171,8 @@ class LookupJob:
         self.lookup_id = 0
         self.known = 0  # leading blocks the client knows are present: the server asks the store only for the rest
         self.epoch = 0  # the store's epoch those blocks were found in (the server ignores them in another)
+        # Until when the client may trust those blocks (prefix_cache.py): an answer counting them never outlives it.
+        self.known_until = float("inf")
         self._observer = observer
 
     def expired(self, now: float) -> bool:

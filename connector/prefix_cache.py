@@ -4,13 +4,19 @@ Why: a long prompt's lookup checks every block's key, and multi-turn chat, agent
 whose first thousands of blocks were checked a moment ago. Mooncake leases every key it finds (for its
 ``--default_kv_lease_ttl``): a key found present cannot be evicted before the lease ends; only a forced
 remove (a reset) or a master restart loses it. So a block found present may be taken as present until
-``valid_for`` after the lookup that found it was *sent* (before the store looked), with ``valid_for`` at most
-half the lease (the same rule as held answers), and only the blocks after it need asking.
+``lookup_answer_ttl_ms`` after the lookup that found it was *sent* (before the store looked), with the rest of
+the lease left for the load, and only the blocks after it need asking.
 
-vLLM's block hashes are chained: a block's hash stands for the whole prefix up to it, so a block cached as
-present means its prefix was present too. Each block's expiry is capped by the one before it (a prefix
-lives as long as its oldest lease), which makes "cached and unexpired" true from the first block up to
-some point: :meth:`known` finds that point with a binary search (a dozen lookups for 4,096 blocks).
+The rule this module keeps (docs/reliability.md, "No stale hit"): every block counted in a hit is trusted
+only until ``lookup_answer_ttl_ms`` after the send of the store check that last found it. A lookup that
+skips known blocks carries their trust's end (``job.known_until``) from planning to its answer: the blocks
+it finds are trusted no longer than the known ones before them, and its answer is served no later. Known
+blocks whose trust would end before the lookup's deadline (or within half the window) are asked again.
+
+vLLM's block hashes are chained: a block's hash stands for the whole prefix up to it. Each block's expiry is
+written capped by the trust of the run before it (a prefix lives as long as its oldest lease), so an entry
+valid now vouches for every block before it: :meth:`known` finds the longest such run with a binary search
+(a dozen lookups for 4,096 blocks), and a block missing from the cache only shortens the answer.
 Bounded in entries, least recently used first out. Used from the scheduler's thread only.
 """
 
@@ -21,7 +27,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from mooncake_lookout.connector.config import LookupConfig
-from mooncake_lookout.connector.job import LookupJob
+from mooncake_lookout.connector.events import LookupRecord, Outcome
+from mooncake_lookout.connector.job import Answer, LookupJob
 
 
 class PrefixCache:
@@ -77,11 +84,13 @@ class PrefixCache:
 
 
 class StoreView:
-    """The scheduler's view of the store: the store's epoch as replies name it, and the prefix cache under it.
+    """The scheduler's view of the store: the store's epoch as answers name it, and the prefix cache under it.
 
     A new epoch means the store was wiped (server/epoch.py): the cache is cleared and answers from before are
-    stale (:attr:`wiped_at`). Epoch 0 means the server keeps none: nothing is cached. Without a cache (off, or
-    a layout where a hash is not one block) the epoch still marks held answers stale.
+    stale (:attr:`stale_before`). A store error may hide a wipe (a master restart), so it does the same; a timeout
+    only clears the cache. A refusal (``busy``, ``bad_request``) says nothing of the store and changes nothing.
+    Epoch 0 means the server keeps none: nothing is cached. Without a cache (off, or a layout where a hash is
+    not one block) the epoch still marks held answers stale.
     """
 
     def __init__(self, config: LookupConfig, on_clear: Callable[[str, int], None]) -> None:
@@ -89,9 +98,13 @@ class StoreView:
         self.cache: PrefixCache | None = None
         self.block_size = 0
         self.epoch: int | None = None
-        self.confirmed_at = float("-inf")  # when the request of the latest reply naming the epoch was sent
-        self.wiped_at = float("-inf")  # when a wipe was last heard of: answers from before it are stale
+        self.confirmed_at = float("-inf")  # when the request of the latest answer naming the epoch was sent
+        self.stale_before = float("-inf")  # answers that came before this are not served (a wipe, or a doubt)
         self._on_clear = on_clear
+        self._ttl_s = config.answer_ttl_s
+        # Known blocks are skipped only while they stay trusted this long after the send: up to the lookup's
+        # deadline, or half the trust window if that is shorter (an answer that outlives them is asked again).
+        self._horizon_s = min(config.timeout_s, config.answer_ttl_s / 2)
 
     def enable(self, block_size: int) -> bool:
         """Cache found blocks (``lookup_prefix_cache_blocks`` of them) of ``block_size`` tokens each."""
@@ -101,17 +114,25 @@ class StoreView:
         return self.cache is not None
 
     def heard(self, epoch: int, sent_at: float) -> None:
-        """A reply to a request sent at ``sent_at`` named the store's epoch (before its lookups finish).
+        """An answer to a request sent at ``sent_at`` named the store's epoch (before its lookups finish).
 
         From 0 (none kept) to a first epoch is not a wipe, only trust beginning."""
         if epoch != self.epoch:
             if self.epoch:
-                self.wiped_at = time.perf_counter()
+                self.stale_before = time.perf_counter()
                 self.clear("epoch")
             self.epoch = epoch
             self.confirmed_at = sent_at
         elif sent_at > self.confirmed_at:
             self.confirmed_at = sent_at
+
+    def failed(self, store_error: bool) -> None:
+        """A lookup really failed: the master may have restarted, so the cache is cleared. A store error (the store
+        said it failed: unreachable, restarting) also makes every answer that came before it stale; a timeout
+        alone does not (a slow server loses nothing, and dropping answers under overload would add load)."""
+        if store_error:
+            self.stale_before = time.perf_counter()
+        self.clear("failure")
 
     def clear(self, reason: str) -> None:
         """Forget every cached block (``reason`` is exported: reset, epoch, failure)."""
@@ -122,20 +143,63 @@ class StoreView:
         """Mark the leading blocks of ``job`` the cache knows (the server skips them). Returns ``(hit tokens,
         valid until)`` when every block that can count is known and the epoch was confirmed within
         ``lookup_prefix_cache_confirm_ms``: the lookup needs no round trip."""
-        cache, rec, hashes = self.cache, job.rec, job.block_hashes
+        cache, rec = self.cache, job.rec
         if cache is None:
             return None
-        countable = min(len(hashes), (num_tokens - 1) // self.block_size) if num_tokens > 0 else 0
+        countable = min(len(job.block_hashes), (num_tokens - 1) // self.block_size) if num_tokens > 0 else 0
         rec.countable_blocks = countable
         if countable <= 0 or not self.epoch:  # no epoch from the server yet (or it keeps none): nothing known
             return None
-        known, until = cache.known(hashes, countable, now)
-        rec.known_blocks = job.known = known
-        job.epoch = self.epoch
+        known = self._know(job, now)
         confirm_s = self.config.lookup_prefix_cache_confirm_ms / 1000
         if known < countable or not confirm_s or now - self.confirmed_at > confirm_s:
             return None
-        return known * self.block_size, until
+        return known * self.block_size, job.known_until
+
+    def recheck(self, job: LookupJob, now: float) -> None:
+        """``job`` is about to be sent: its known blocks must still be trusted then (see ``_horizon_s``), in this
+        epoch."""
+        if job.known and (job.known_until < now + self._horizon_s or job.epoch != self.epoch):
+            self._know(job, now)
+
+    def _know(self, job: LookupJob, now: float) -> int:
+        """The known run of ``job`` that stays trusted until a lookup sent ``now`` is due."""
+        cache = self.cache
+        known, until = (0, now) if cache is None or not self.epoch else cache.known(
+            job.block_hashes, job.rec.countable_blocks, now + self._horizon_s)
+        job.rec.known_blocks = job.known = known
+        job.known_until = until if known else float("inf")
+        job.epoch = self.epoch or 0
+        return known
+
+    def valid_until(self, job: LookupJob) -> float:
+        """Until when the store's answer to ``job`` may be served: the trust of the oldest check behind any
+        block it counts (its own send, or the known blocks the server skipped)."""
+        assert job.sent_at is not None
+        until = job.sent_at + self._ttl_s
+        if job.known and job.epoch == self.epoch:  # the server skipped them: they count on their old checks
+            until = min(until, job.known_until)
+        return until
+
+    def untrusted(self, rec: LookupRecord, now: float) -> str | None:
+        """Why an answer may not be served now (``wiped``, ``expired``), or None. The one place the rule of
+        docs/reliability.md ("No stale hit") is checked: a hit is served only while every block it counts is
+        trusted (``rec.valid_until``: the oldest store check behind it plus ``lookup_answer_ttl_ms``), and never
+        after a wipe or a store error heard since it was answered."""
+        if rec.t_answer is not None and rec.t_answer < self.stale_before:
+            return "wiped"
+        if rec.valid_until is not None and now > rec.valid_until:
+            return "expired"
+        return None
+
+    def stale(self, job: LookupJob, answer: Answer | None, now: float) -> str | None:
+        """Why the store's fresh ``answer`` to ``job`` may not be served ``now`` (see :meth:`untrusted`), or None;
+        a hit learns until when it is trusted."""
+        if answer is None or not answer.evidence or job.sent_at is None:
+            return None
+        if answer.outcome is Outcome.HIT:
+            job.rec.valid_until = self.valid_until(job)
+        return self.untrusted(job.rec, now)
 
     def remember(self, job: LookupJob, hit_tokens: int) -> None:
         """The store answered ``job`` (sent in the current epoch) with ``hit_tokens``: cache its new blocks."""
@@ -144,11 +208,8 @@ class StoreView:
             return
         found = hit_tokens // self.block_size
         known = job.known if job.epoch == self.epoch else 0  # known in an older epoch: the server asked all
-        until = job.sent_at + self.config.answer_ttl_s  # leased from when the store looked, after the send
-        if known:
-            until = min(until, cache.known(job.block_hashes, known, job.sent_at)[1])
         if found > known:
-            cache.add(job.block_hashes, known, found, until)
+            cache.add(job.block_hashes, known, found, self.valid_until(job))
 
 
 __all__ = ["PrefixCache", "StoreView"]

@@ -376,11 +376,12 @@ def test_a_lookup_queued_behind_a_stalled_transport_thread_ends_a_deadline_after
 
 
 def test_a_blocking_call_asked_again_after_a_wipe_keeps_its_own_bound(tmp_path) -> None:
-    """An answer read in the same drain as a reply naming a new store epoch (a wipe) is stale: the lookup is
-    asked again. A blocking call must still return by lookup_timeout_ms after the call, not restart its bound.
-    The server is a FAKE speaking our wire format on a real socket (a wipe landing between two replies of one
-    drain cannot be produced on demand): it holds both frames' replies, sends them together 150 ms in (the
-    blocking lookup's answer in epoch 1, then the other frame's in epoch 2), and never answers again."""
+    """An answer that came before a reply naming a new store epoch (a wipe) is stale: the lookup is asked again.
+    A blocking call must still return by lookup_timeout_ms after the call, not restart its bound. The server is
+    a FAKE speaking our wire format on a real socket (a wipe landing between two replies cannot be produced on
+    demand): it answers the blocking lookup's frame in epoch 1, then the other frame in epoch 2, then a frame
+    nobody sent (a late reply, so the test knows both came: replies of one connection arrive in order), and
+    never answers again."""
     import threading
 
     import zmq
@@ -403,21 +404,28 @@ def test_a_blocking_call_asked_again_after_a_wipe_keeps_its_own_bound(tmp_path) 
             if router.poll(50):
                 peer, *payload = router.recv_multipart()
                 frames.append((peer, protocol.decode_request(payload)))
-        if stop.wait(0.15):
+        if stop.is_set():
             return
-        (peer, older), (_, newer) = frames  # the non-blocking lookup's frame, then the blocking one's
+        (peer, older), (_, newer) = frames  # the other lookup's frame, then the one asked again blocking
         router.send_multipart([peer, protocol.encode_reply(newer.frame_id, [protocol.result_of(
             newer.queries[0].lookup_id, LookupResult(4 * BLOCK))], epoch=1)])
         router.send_multipart([peer, protocol.encode_reply(older.frame_id, [protocol.result_of(
             older.queries[0].lookup_id, LookupResult(0))], epoch=2)])
+        router.send_multipart([peer, protocol.encode_status(2**40, protocol.OK)])
 
     server = threading.Thread(target=serve, daemon=True)
     server.start()
     config = LookupConfig(lookup_transport="pipelined", lookup_timeout_ms=300, lookup_breaker_failures=1000)
-    client = LookupClient(config, PipelinedTransport(address, timeout_s=config.timeout_s))
+    transport = PipelinedTransport(address, timeout_s=config.timeout_s)
+    client = LookupClient(config, transport)
     try:
         hashes = [bytes([3]) * 32] * 5
         assert client.lookup("other", 5 * BLOCK + 1, [bytes([4]) * 32] * 5, non_block=True) is None
+        assert client.lookup("blocking", 5 * BLOCK + 1, hashes, non_block=True) is None
+        end = time.monotonic() + 5.0
+        while transport.late_replies == 0:  # the three replies are in: the wipe was heard after the answer
+            assert time.monotonic() < end, "the fake server's replies never came"
+            transport.collect(0.05)
         t0 = time.perf_counter()
         result = client.lookup("blocking", 5 * BLOCK + 1, hashes)
         took = time.perf_counter() - t0

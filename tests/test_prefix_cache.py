@@ -212,7 +212,7 @@ def test_a_master_restart_clears_the_cache_and_serves_nothing_lost(private_maste
 def test_a_lease_shorter_than_the_caches_window_is_refused_at_start(private_master: Any) -> None:
     store = open_writer_store(private_master.rpc_address)  # the fixture's master leases keys for 500 ms
     try:
-        check_lease(store, "probe/", 0.2)  # a 200 ms window fits in the lease
+        check_lease(store, "probe/", 0.2)  # a 200 ms window and its load margin (240 ms) fit in the lease
         with pytest.raises(LeaseTooShort, match="lookup_answer_ttl_ms"):
             check_lease(store, "probe/", 0.8)
     finally:

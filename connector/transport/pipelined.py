@@ -223,16 +223,20 @@ class PipelinedTransport(Transport):
             self._accept(reply)
 
     def _accept(self, reply: protocol.Reply) -> None:
+        ok = reply.status == protocol.OK
         if reply.frame_id in self._resets:
-            self._resets[reply.frame_id] = reply.status == protocol.OK
-            if reply.status != protocol.OK:  # a wipe refused or failed: the caller only gets False, so say why here
+            self._resets[reply.frame_id] = ok
+            if not ok:  # a wipe refused or failed: the caller only gets False, so say why here
                 logger.warning("lookup server at %s did not reset the store: %s: %s", self.address, reply.status,
                                reply.reason)
-            self._epoch(reply.epoch, self._reset_sent.get(reply.frame_id, time.perf_counter()))
+            else:
+                self._epoch(reply.epoch, self._reset_sent.get(reply.frame_id, time.perf_counter()))
             return
         carried = self._frames.pop(reply.frame_id, None)
-        if carried is not None:
-            self._epoch(reply.epoch, carried[1])  # before its lookups finish: they were answered in this epoch
+        if carried is not None and ok:
+            # Only an answer names the store's epoch: a refusal (busy, bad_request) or a failure says nothing of
+            # the store's state. Before its lookups finish: they were answered in this epoch.
+            self._epoch(reply.epoch, carried[1])
         if carried is None and not reply.results:
             self._count_late()  # a reply to a frame nobody waits for (a reset given up on, say)
             return

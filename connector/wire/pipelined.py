@@ -209,8 +209,10 @@ def answer_of(result: Result) -> Answer:
 
 
 def frame_error(reply: Reply) -> Answer:
-    """The answer every lookup of a refused or failed frame ends with."""
-    return Answer(Outcome.ERROR, error=f"{reply.status}: {reply.reason}")
+    """The answer every lookup of a refused or failed frame ends with: refused (``busy``, ``bad_request``) when the
+    server turned the frame away without asking the store, which says nothing of the store."""
+    return Answer(Outcome.ERROR, error=f"{reply.status}: {reply.reason}",
+                  refused=reply.status in (BUSY, BAD_REQUEST))
 
 
 # -- server side ---------------------------------------------------------------------------------------------
