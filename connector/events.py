@@ -1,9 +1,10 @@
 """Lifecycle of one lookup, reported to observers so metrics and spans attach without touching the client.
 
-Which thread calls what matters to observers:
-
-* ``submitted``, ``deferred``, ``consumed``, ``discarded`` run on the caller's thread (vLLM's scheduler);
-* ``started`` and ``answered`` run on the transport's thread, just before and after the round trip.
+Every event runs on the caller's thread (vLLM's scheduler): ``started`` when the lookup is handed to the
+transport, ``answered`` when its answer is applied (a transport's own thread never calls observers; the
+one exception is ``late_reply`` from the ``upstream`` transport's thread, which observers must keep to an
+integer bump). Whatever an observer does there, vLLM's ``schedule()`` pays: keep it to counting, and send
+real work to a thread of its own (:class:`BackgroundObserver`).
 
 An observer must never block and never raise; :class:`ObserverSet` logs and swallows what one raises,
 so telemetry cannot break a lookup.
@@ -12,87 +13,20 @@ so telemetry cannot break a lookup.
 from __future__ import annotations
 
 import collections
-import enum
 import functools
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any, Protocol
+
+from mooncake_lookout.connector.lookup import Lookup, Outcome
 
 logger = logging.getLogger(__name__)
 
 
-class Outcome(str, enum.Enum):
-    """How a lookup ended; the values are the ``outcome`` label of ``requests_total``."""
-
-    HIT = "hit"
-    MISS = "miss"
-    ERROR = "error"
-    TIMEOUT = "timeout"
-    REJECTED = "rejected"
-    BREAKER_OPEN = "breaker_open"
-    DISCARDED = "discarded"
-
-
-@dataclass(eq=False)
-class LookupRecord:
-    """Everything known about one lookup; times are ``time.perf_counter()`` seconds, ``None`` until reached."""
-
-    req_id: str
-    num_tokens: int
-    num_hashes: int
-    transport: str
-    generation: int
-    t_submit: float
-    t_queued: float | None = None  # handed to the transport (sent at once by ``pipelined``; queued by ``upstream``)
-    t_start: float | None = None
-    t_answer: float | None = None
-    t_consume: float | None = None
-    outcome: Outcome | None = None
-    hit_tokens: int = 0
-    deferrals: int = 0
-    error: str | None = None
-    # The request's own trace context (vLLM's ``trace_headers``), so its lookup span can join the trace.
-    trace_headers: Mapping[str, str] | None = None
-    # The prefix cache: blocks that could count, blocks it already knew present, answered with no round trip.
-    countable_blocks: int = 0
-    known_blocks: int = 0
-    from_cache: bool = False
-    # Until when a kept answer may be served (from when it was sent; a cached one: its blocks' lease).
-    valid_until: float | None = None
-    # Observers keep their own per-lookup state here (a span, say), keyed by their own name.
-    scratch: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def sent(self) -> bool:
-        """True once the lookup left for the server (``t_start`` is when it was sent)."""
-        return self.t_start is not None
-
-    @property
-    def store_answered(self) -> bool:
-        """True when the store itself answered (a hit or a miss): only then were its tokens really queried."""
-        return self.outcome is Outcome.HIT or self.outcome is Outcome.MISS
-
-    @property
-    def queue_seconds(self) -> float | None:
-        """Time from submit until the lookup was sent (``None`` if it never was)."""
-        return None if self.t_start is None else self.t_start - self.t_submit
-
-    @property
-    def rpc_seconds(self) -> float | None:
-        """Round trip to the lookup server (``None`` unless it was sent and answered)."""
-        if self.t_start is None or self.t_answer is None:
-            return None
-        return self.t_answer - self.t_start
-
-    @property
-    def total_seconds(self) -> float | None:
-        """From submit until the caller used the answer (``None`` for lookups refused without being sent)."""
-        if self.t_consume is None or self.t_start is None:
-            return None
-        return self.t_consume - self.t_submit
+# The record observers read is the lookup itself: one object per lookup (lookup.py).
+LookupRecord = Lookup
 
 
 class LookupObserver(Protocol):
@@ -120,10 +54,11 @@ class NullObserver:
         """A lookup was created (or answered at once: rejected, breaker open)."""
 
     def started(self, rec: LookupRecord) -> None:
-        """The transport took the lookup off its queue (transport thread)."""
+        """The lookup was handed to the transport (``t_queued``; ``t_start`` is when it left, which a transport
+        with a queue of its own may do later)."""
 
     def answered(self, rec: LookupRecord) -> None:
-        """The round trip ended, with an outcome (transport thread)."""
+        """The answer was taken in (``t_answer``), before the caller asks for it."""
 
     def deferred(self, rec: LookupRecord) -> None:
         """The caller asked and got ``None``: it will retry on a later step."""

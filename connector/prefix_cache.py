@@ -22,13 +22,11 @@ Bounded in entries, least recently used first out. Used from the scheduler's thr
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from mooncake_lookout.connector.config import LookupConfig
-from mooncake_lookout.connector.events import LookupRecord, Outcome
-from mooncake_lookout.connector.job import Answer, LookupJob
+from mooncake_lookout.connector.lookup import HIT, Lookup
 
 
 class PrefixCache:
@@ -113,25 +111,28 @@ class StoreView:
             self.block_size = block_size
         return self.cache is not None
 
-    def heard(self, epoch: int, sent_at: float) -> None:
-        """An answer to a request sent at ``sent_at`` named the store's epoch (before its lookups finish).
+    def heard(self, epoch: int, sent_at: float, received: float) -> None:
+        """An answer to a request sent at ``sent_at``, received at ``received``, named the store's epoch (before its
+        lookups finish: they were answered in it).
 
-        From 0 (none kept) to a first epoch is not a wipe, only trust beginning."""
+        From 0 (none kept) to a first epoch is not a wipe, only trust beginning. From an epoch to 0 is a doubt
+        (the server could not confirm its marker): nothing is cached until an epoch is named again."""
         if epoch != self.epoch:
             if self.epoch:
-                self.stale_before = time.perf_counter()
+                self.stale_before = max(self.stale_before, received)  # what came before is stale, not this
                 self.clear("epoch")
             self.epoch = epoch
             self.confirmed_at = sent_at
         elif sent_at > self.confirmed_at:
             self.confirmed_at = sent_at
 
-    def failed(self, store_error: bool) -> None:
-        """A lookup really failed: the master may have restarted, so the cache is cleared. A store error (the store
-        said it failed: unreachable, restarting) also makes every answer that came before it stale; a timeout
-        alone does not (a slow server loses nothing, and dropping answers under overload would add load)."""
+    def failed(self, store_error: bool, at: float) -> None:
+        """A lookup really failed (its answer came ``at``): the master may have restarted, so the cache is cleared.
+        A store error (the store said it failed: unreachable, restarting) also makes every answer that came
+        before it stale; a timeout alone does not (a slow server loses nothing, and dropping answers under
+        overload would add load)."""
         if store_error:
-            self.stale_before = time.perf_counter()
+            self.stale_before = max(self.stale_before, at)
         self.clear("failure")
 
     def clear(self, reason: str) -> None:
@@ -139,15 +140,15 @@ class StoreView:
         if self.cache is not None and len(self.cache):
             self._on_clear(reason, self.cache.clear())
 
-    def plan(self, job: LookupJob, num_tokens: int, now: float) -> tuple[int, float] | None:
+    def plan(self, job: Lookup, num_tokens: int, now: float) -> tuple[int, float] | None:
         """Mark the leading blocks of ``job`` the cache knows (the server skips them). Returns ``(hit tokens,
         valid until)`` when every block that can count is known and the epoch was confirmed within
         ``lookup_prefix_cache_confirm_ms``: the lookup needs no round trip."""
-        cache, rec = self.cache, job.rec
+        cache = self.cache
         if cache is None:
             return None
-        countable = min(len(job.block_hashes), (num_tokens - 1) // self.block_size) if num_tokens > 0 else 0
-        rec.countable_blocks = countable
+        countable = min(job.num_hashes, (num_tokens - 1) // self.block_size) if num_tokens > 0 else 0
+        job.countable_blocks = countable
         if countable <= 0 or not self.epoch:  # no epoch from the server yet (or it keeps none): nothing known
             return None
         known = self._know(job, now)
@@ -156,32 +157,32 @@ class StoreView:
             return None
         return known * self.block_size, job.known_until
 
-    def recheck(self, job: LookupJob, now: float) -> None:
+    def recheck(self, job: Lookup, now: float) -> None:
         """``job`` is about to be sent: its known blocks must still be trusted then (see ``_horizon_s``), in this
         epoch."""
         if job.known and (job.known_until < now + self._horizon_s or job.epoch != self.epoch):
             self._know(job, now)
 
-    def _know(self, job: LookupJob, now: float) -> int:
+    def _know(self, job: Lookup, now: float) -> int:
         """The known run of ``job`` that stays trusted until a lookup sent ``now`` is due."""
         cache = self.cache
         known, until = (0, now) if cache is None or not self.epoch else cache.known(
-            job.block_hashes, job.rec.countable_blocks, now + self._horizon_s)
-        job.rec.known_blocks = job.known = known
+            job.block_hashes, job.countable_blocks, now + self._horizon_s)
+        job.known_blocks = job.known = known
         job.known_until = until if known else float("inf")
         job.epoch = self.epoch or 0
         return known
 
-    def valid_until(self, job: LookupJob) -> float:
+    def valid_until(self, job: Lookup) -> float:
         """Until when the store's answer to ``job`` may be served: the trust of the oldest check behind any
         block it counts (its own send, or the known blocks the server skipped)."""
-        assert job.sent_at is not None
-        until = job.sent_at + self._ttl_s
+        assert job.t_start is not None
+        until = job.t_start + self._ttl_s
         if job.known and job.epoch == self.epoch:  # the server skipped them: they count on their old checks
             until = min(until, job.known_until)
         return until
 
-    def untrusted(self, rec: LookupRecord, now: float) -> str | None:
+    def untrusted(self, rec: Lookup, now: float) -> str | None:
         """Why an answer may not be served now (``wiped``, ``expired``), or None. The one place the rule of
         docs/reliability.md ("No stale hit") is checked: a hit is served only while every block it counts is
         trusted (``rec.valid_until``: the oldest store check behind it plus ``lookup_answer_ttl_ms``), and never
@@ -192,19 +193,19 @@ class StoreView:
             return "expired"
         return None
 
-    def stale(self, job: LookupJob, answer: Answer | None, now: float) -> str | None:
-        """Why the store's fresh ``answer`` to ``job`` may not be served ``now`` (see :meth:`untrusted`), or None;
+    def stale(self, lk: Lookup, now: float) -> str | None:
+        """Why the store's fresh answer to ``lk`` may not be served ``now`` (see :meth:`untrusted`), or None;
         a hit learns until when it is trusted."""
-        if answer is None or not answer.evidence or job.sent_at is None:
+        if not lk.evidence or lk.t_start is None:
             return None
-        if answer.outcome is Outcome.HIT:
-            job.rec.valid_until = self.valid_until(job)
-        return self.untrusted(job.rec, now)
+        if lk.outcome is HIT:
+            lk.valid_until = self.valid_until(lk)
+        return self.untrusted(lk, now)
 
-    def remember(self, job: LookupJob, hit_tokens: int) -> None:
+    def remember(self, job: Lookup, hit_tokens: int) -> None:
         """The store answered ``job`` (sent in the current epoch) with ``hit_tokens``: cache its new blocks."""
         cache = self.cache
-        if cache is None or not self.epoch or hit_tokens <= 0 or job.sent_at is None:
+        if cache is None or not self.epoch or hit_tokens <= 0 or job.t_start is None:
             return
         found = hit_tokens // self.block_size
         known = job.known if job.epoch == self.epoch else 0  # known in an older epoch: the server asked all

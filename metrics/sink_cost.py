@@ -64,10 +64,11 @@ def _run(observers: list[LookupObserver], lifecycles: int) -> float:
     obs = ObserverSet(observers)
     collectors = [o for o in observers if isinstance(o, LookupStatsCollector)]
     perf = time.perf_counter
+    hashes = [bytes(32)] * 8
     t0 = perf()
     for i in range(lifecycles):
         now = perf()
-        rec = LookupRecord(f"req-{i}", 128, 8, "pipelined", 0, now)
+        rec = LookupRecord(f"req-{i}", 128, hashes, "pipelined", 0, now)
         obs.submitted(rec)
         rec.t_start = now
         obs.started(rec)

@@ -15,14 +15,12 @@ import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import pytest
 import zmq
 
 from mooncake_lookout.connector.curve import ClientCurve, ServerCurve, create_key_files
-from mooncake_lookout.connector.events import LookupRecord, NullObserver, Outcome
-from mooncake_lookout.connector.job import LookupJob
+from mooncake_lookout.connector.lookup import Lookup, Outcome
 from mooncake_lookout.connector.rigs.faults import InjectedDelayBackend
 from mooncake_lookout.connector.rigs.workload import unique_hashes
 from mooncake_lookout.connector.server import LookupServer, intake
@@ -226,19 +224,18 @@ def test_a_busy_frame_ends_its_lookups_as_errors_not_misses(prefix_index: Prefix
         transport = PipelinedTransport(server.address, timeout_s=5.0)
         jobs = []
         for i in range(2):
-            rec = LookupRecord(f"r{i}", 2 * BLOCK + 1, 2, "pipelined", 0, time.perf_counter())
-            jobs.append(LookupJob(rec, unique_hashes(2, seed=i), 5.0, NullObserver()))
+            jobs.append(Lookup(f"r{i}", 2 * BLOCK + 1, unique_hashes(2, seed=i), "pipelined", 0, time.perf_counter(),
+                               5.0))
         try:
             transport.send(jobs)  # one frame of 2 lookups: over a bound of 1
             deadline = time.perf_counter() + 10
-            while any(job.answer is None for job in jobs):
+            while any(job.outcome is None for job in jobs):
                 assert time.perf_counter() < deadline
                 transport.collect(0.05, until=jobs[0])
         finally:
             transport.close()
-    answers: list[Any] = [job.answer for job in jobs]
-    assert [a.outcome for a in answers] == [Outcome.ERROR] * 2
-    assert all(a.error.startswith("busy: ") for a in answers)
+    assert [job.outcome for job in jobs] == [Outcome.ERROR] * 2
+    assert all(job.error.startswith("busy: ") and job.refused for job in jobs)  # turned away: not the store's doing
 
 
 def test_every_status_the_server_answers_with_is_a_catalogue_label() -> None:

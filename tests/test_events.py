@@ -15,7 +15,7 @@ from mooncake_lookout.connector.events import (
 
 
 def _rec(i: int, outcome: Outcome = Outcome.HIT) -> LookupRecord:
-    rec = LookupRecord(f"r{i}", 32, 2, "upstream", 0, 0.0)
+    rec = LookupRecord(f"r{i}", 32, [b"h" * 32] * 2, "upstream", 0, 0.0)
     rec.outcome = outcome
     return rec
 

@@ -52,7 +52,7 @@ def ask_all(rig: FaultRig, reqs: list[Any], prefix: str, *, blocking_every: int 
     client, timeout_s = rig.client, TIMEOUT_MS / 1000
     recs: dict[str, Any] = {}
     for i, r in enumerate(reqs):
-        recs[f"{prefix}{i}"] = client.start(f"{prefix}{i}", r.num_tokens, r.block_hashes).rec
+        recs[f"{prefix}{i}"] = client.start(f"{prefix}{i}", r.num_tokens, r.block_hashes)
     t_sub = {rid: rec.t_submit for rid, rec in recs.items()}
     answers: dict[str, Any] = {}
     end = time.monotonic() + bound_s

@@ -31,7 +31,6 @@ from mooncake_lookout.connector.client import LookupClient
 from mooncake_lookout.connector.config import KEYS, ConfigError, LookupConfig
 from mooncake_lookout.connector.curve import ClientCurve, create_key_files
 from mooncake_lookout.connector.events import Outcome, OutcomeCounter
-from mooncake_lookout.connector.job import Answer
 from mooncake_lookout.connector.rigs.server_process import ServerProcess
 from mooncake_lookout.connector.rigs.soak import SLACK_S
 from mooncake_lookout.connector.rigs.workload import unique_hashes
@@ -205,22 +204,21 @@ def test_pipelined_reply_decoder_raises_only_protocol_errors(payload: bytes) -> 
     except protocol.ProtocolError:
         return
     if reply.status != protocol.OK:
-        answer = protocol.frame_error(reply)
-        assert answer.outcome == Outcome.ERROR and answer.result.hit_length == 0
-    for result in reply.results:
-        answer = protocol.answer_of(result)
-        assert isinstance(answer, Answer)
+        error, refused = protocol.frame_error(reply)
+        assert isinstance(error, str) and isinstance(refused, bool)
+    for result, (lookup_id, outcome, hit, _, _) in zip(reply.results, protocol.answers_of(reply)):
+        assert lookup_id == result.lookup_id and isinstance(outcome, Outcome)
         if result.status == protocol.ERROR:
-            assert answer.outcome == Outcome.ERROR and answer.result.hit_length == 0
+            assert outcome == Outcome.ERROR and hit == 0
 
 
 @settings(max_examples=500, deadline=None)
 @given(payload=st.binary(max_size=200))
 def test_vllm_reply_decoder_never_raises(payload: bytes) -> None:
-    answer = upstream_wire.decode_lookup_reply(payload)
-    assert isinstance(answer, Answer)
+    outcome, hit, tails, _ = upstream_wire.decode_lookup_reply(payload)
+    assert isinstance(outcome, Outcome) and isinstance(tails, tuple)
     if len(payload) < 4 or (len(payload) - 4) % 8:
-        assert answer.outcome == Outcome.ERROR and answer.result.hit_length == 0
+        assert outcome == Outcome.ERROR and hit == 0
 
 
 garbage_reply = st.one_of(

@@ -293,11 +293,11 @@ from mooncake_lookout.metrics.tracing import tracing_observer_from_env
 observer = tracing_observer_from_env()
 assert observer is not None, "tracing is off with the chart's variables"
 obs = ObserverSet([observer])
-rec = LookupRecord("cmpl-1", 64, 4, "pipelined", 0, time.perf_counter())
+rec = LookupRecord("cmpl-1", 64, [b"h" * 32] * 4, "pipelined", 0, time.perf_counter())
 obs.submitted(rec)
 rec.t_start = time.perf_counter(); obs.started(rec)
 rec.t_answer = time.perf_counter(); obs.answered(rec)
-rec.outcome, rec.hit_tokens, rec.t_consume = Outcome.HIT, 48, time.perf_counter()
+rec.outcome, rec.hit_length, rec.t_consume = Outcome.HIT, 48, time.perf_counter()
 obs.consumed(rec)
 observer.shutdown()
 print("SENT")

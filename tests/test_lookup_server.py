@@ -183,14 +183,13 @@ def test_vllm_req_clients_are_answered_in_vllms_own_format(
         req.connect(server.address)
         for r, hit in zip(reqs, expected):
             req.send_multipart(upstream_wire.encode_lookup(r.num_tokens, list(r.block_hashes)))
-            answer = upstream_wire.decode_lookup_reply(_recv(req)[0])
-            assert answer.result.hit_length == hit
+            assert upstream_wire.decode_lookup_reply(_recv(req)[0])[1] == hit
         req.send_multipart([upstream_wire.LOOKUP_MSG, b"\x00\x00\x00\x10", b"\x00\x20", b"x" * 33])
         assert _recv(req) == [upstream_wire.RESP_ERR]  # malformed: refused, and the REQ cycle goes on
         req.send(upstream_wire.RESET_MSG)
         assert _recv(req) == [upstream_wire.RESP_OK]
         req.send_multipart(upstream_wire.encode_lookup(reqs[8].num_tokens, list(reqs[8].block_hashes)))
-        assert upstream_wire.decode_lookup_reply(_recv(req)[0]).result.hit_length == 0  # wiped
+        assert upstream_wire.decode_lookup_reply(_recv(req)[0])[1] == 0  # wiped
 
 
 class _DelayedIndex:

@@ -48,6 +48,7 @@ from mooncake_lookout.connector.server import LookupServer
 from mooncake_lookout.connector.server.lease import check_lease
 from mooncake_lookout.connector.server.prefix_index import PrefixIndex, StoreError
 from mooncake_lookout.connector.server.store import open_writer_store
+from mooncake_lookout.connector.transport import make_transport
 from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
 
 BLOCK = 16
@@ -65,9 +66,12 @@ class RecordingStore:
         self.store = store
         self.found_at: dict[str, float] = {}
         self.calls = 0
+        self.delay_s = 0.0  # an INJECTED slow store, for a test that needs the server busy for sure
         self._lock = threading.Lock()  # the server's loop thread writes, the test's thread reads
 
     def batch_is_exist(self, keys: list[str]) -> list[int]:
+        if self.delay_s:
+            time.sleep(self.delay_s)
         began = time.perf_counter()  # the master leased what it found no earlier than this
         codes = self.store.batch_is_exist(keys)
         with self._lock:
@@ -183,6 +187,9 @@ class LookupPath(RuleBasedStateMachine):
 
     world: World
     restarts_allowed = False  # at most one restart an example: a store client takes a second or two to reconnect
+    ttl_ms = TTL_MS
+    timeout_ms = TIMEOUT_MS
+    caller_thread = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -191,11 +198,14 @@ class LookupPath(RuleBasedStateMachine):
         self.index = PrefixIndex(self.store, BLOCK, self.namespace)
         self.filler = PrefixIndex(self.world.writer, BLOCK, self.namespace)  # also "another instance"
         self.server = LookupServer(self.index, max_peer_lookups=MAX_PEER_LOOKUPS).start()
-        self.config = LookupConfig(lookup_async=True, lookup_transport="pipelined", lookup_timeout_ms=TIMEOUT_MS,
-                                   lookup_answer_ttl_ms=TTL_MS, lookup_breaker_failures=1000)
+        self.config = LookupConfig(lookup_async=True, lookup_transport="pipelined", lookup_timeout_ms=self.timeout_ms,
+                                   lookup_answer_ttl_ms=self.ttl_ms, lookup_breaker_failures=1000)
         self.witness = Witness()
-        self.client = LookupClient(self.config, PipelinedTransport(self.server.address, timeout_s=TIMEOUT_MS / 1000),
-                                   observer=self.witness)
+        # Production wiring: the transport make_transport builds for this mode (async: the socket on a thread of
+        # its own), or, with ``caller_thread``, the one blocking mode uses.
+        transport = (PipelinedTransport(self.server.address, timeout_s=self.timeout_ms / 1000) if self.caller_thread
+                     else make_transport(self.config, self.server.address))
+        self.client = LookupClient(self.config, transport, observer=self.witness)
         assert self.client.enable_prefix_cache(BLOCK)
         self.truth = Truth()
         self.conversations: list[list[bytes]] = [[], [], []]
@@ -336,7 +346,7 @@ class LookupPath(RuleBasedStateMachine):
 
     def _check_hit(self, req: Request, hit: int, asked: float) -> None:
         assert hit % BLOCK == 0 and hit < req.num_tokens, (req, hit)
-        ttl = TTL_MS / 1000
+        ttl = self.config.answer_ttl_s
         for i in range(hit // BLOCK):
             key = self.filler.key(req.hashes[i])
             found = self.store.last_found(key)
@@ -344,7 +354,7 @@ class LookupPath(RuleBasedStateMachine):
             assert asked - found <= ttl, (
                 f"block {i} of {req.req_id} served {asked - found:.3f} s after the check that found it: the "
                 f"lease it granted leaves the load {(LEASE_MS / 1000) - (asked - found):.3f} s, not "
-                f"{(LEASE_MS - TTL_MS) / 1000:.3f} s")
+                f"{LEASE_MS / 1000 - ttl:.3f} s")
             if key in self.truth.present or key in self.truth.unknown:
                 continue
             removed = self.truth.removed.get(key)
@@ -378,8 +388,8 @@ class LookupPath(RuleBasedStateMachine):
             pass
 
 
-def _machine(world: World, *, restarts: bool) -> type[LookupPath]:
-    return type("Path", (LookupPath,), {"world": world, "restarts_allowed": restarts})
+def _machine(world: World, *, restarts: bool, caller_thread: bool = False) -> type[LookupPath]:
+    return type("Path", (LookupPath,), {"world": world, "restarts_allowed": restarts, "caller_thread": caller_thread})
 
 
 # No shrinking: the store's leases run on real time, so a shorter replay of a failure is not the same case.
@@ -392,8 +402,8 @@ def test_no_hit_outlives_its_check_or_the_store_and_busy_clears_nothing(world: W
                               settings=settings(max_examples=60, stateful_step_count=30, **_SETTINGS))
 
 
-def test_no_stale_hit_across_master_restarts(world: World) -> None:
-    run_state_machine_as_test(_machine(world, restarts=True),
+def test_no_stale_hit_across_master_restarts_with_the_socket_on_the_callers_thread(world: World) -> None:
+    run_state_machine_as_test(_machine(world, restarts=True, caller_thread=True),
                               settings=settings(max_examples=6, stateful_step_count=30, **_SETTINGS))
 
 
@@ -443,21 +453,41 @@ def test_blocks_that_expire_between_planning_and_sending_are_asked_again(path: L
     assert turn2.answered == 10 * BLOCK
 
 
-def test_after_a_busy_reply_a_held_answer_is_served_without_a_store_call(path: LookupPath) -> None:
+def test_after_a_busy_reply_a_held_answer_is_served_without_a_store_call(world: World) -> None:
     """The old client read ``busy`` (which names no epoch) as a store wipe: it dropped every held answer and
-    cleared its cache, so overload made it ask for more."""
+    cleared its cache, so overload made it ask for more. Here the server is made busy for sure: its store is
+    slowed (INJECTED: 0.1 s a call) while three steps send two lookups each; the third frame finds this peer's
+    bound (3 lookups waiting) full. The trust window is 450 ms here (the master's lease 600 ms), so the held
+    answer outlives the wait for the busy reply, and the deadline 2 s, so the slow store times nothing out."""
+    path = type("Path", (LookupPath,), {"world": world, "ttl_ms": 450, "timeout_ms": 2000})()
+    path.seed_store(10)
+    try:
+        _busy_then_held(path)
+    finally:
+        path.teardown()
+
+
+def _busy_then_held(path: LookupPath) -> None:
     held = path._new_request(0, 2)
     path._ask(held, non_block=False)
     assert held.answered == 10 * BLOCK
-    path._burst(0)  # a step of 4 lookups from this peer: the server turns their frame away
     path.client.end_step()
-    deadline = time.monotonic() + 5
+    path.store.delay_s = 0.1
+    burst = []
+    for _ in range(3):  # a frame a step, each within the bound: the second waits, the third is turned away
+        for conversation in (1, 2):
+            req = path._new_request(conversation, 1)
+            path.client.start(req.req_id, req.num_tokens, req.hashes, admission=True)
+            burst.append(req)
+        path.client.end_step()
+    deadline = time.monotonic() + 10
     while not any(r.error and r.error.startswith("busy") for r in path.witness.refusals):
         assert time.monotonic() < deadline, "the server never answered busy"
-        for req in list(path.waiting):
-            if req is not held:
-                path._ask(req, non_block=True)
-        time.sleep(0.005)
+        for req in burst:
+            path._ask(req, non_block=True)
+        path.client.end_step()
+        time.sleep(0.01)
+    path.store.delay_s = 0.0
     calls = path.store.calls
     result = path.client.lookup(held.req_id, held.num_tokens, held.hashes, True)  # no wait allowed: from hold only
     assert result is not None and result.hit_length == 10 * BLOCK

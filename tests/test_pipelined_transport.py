@@ -19,8 +19,8 @@ import zmq
 from mooncake_lookout.connector.bench.burst import burst
 from mooncake_lookout.connector.client import LookupClient
 from mooncake_lookout.connector.config import LookupConfig
-from mooncake_lookout.connector.events import LookupRecord, NullObserver, Outcome
-from mooncake_lookout.connector.job import LookupJob, LookupResult
+from mooncake_lookout.connector.job import LookupResult
+from mooncake_lookout.connector.lookup import Lookup, Outcome
 from mooncake_lookout.connector.rigs.master import EmbeddedMaster
 from mooncake_lookout.connector.rigs.processes import ChildProcess
 from mooncake_lookout.connector.rigs.workload import shared_prefix_workload
@@ -28,11 +28,18 @@ from mooncake_lookout.connector.server import LookupServer
 from mooncake_lookout.connector.server.prefix_index import PrefixIndex
 from mooncake_lookout.connector.server.store import open_store, open_writer_store
 from mooncake_lookout.connector.transport import make_transport
-from mooncake_lookout.connector.transport.base import TransportClosed
+from mooncake_lookout.connector.transport.base import Transport, TransportClosed
 from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
+from mooncake_lookout.connector.transport.pipelined_thread import ThreadedPipelinedTransport
 from mooncake_lookout.connector.wire import pipelined as p
 
 BLOCK = 16
+
+
+@pytest.fixture(params=[PipelinedTransport, ThreadedPipelinedTransport], ids=["caller-thread", "io-thread"])
+def Pipelined(request: pytest.FixtureRequest) -> type[Transport]:
+    """Both ``pipelined`` transports: the socket on the caller's thread, or on a thread of its own."""
+    return request.param
 
 
 @pytest.fixture
@@ -49,16 +56,15 @@ def _fill(filler: PrefixIndex, n: int, seed: int = 0) -> tuple[list[Any], list[i
     return reqs, [(i % 9) * BLOCK for i in range(n)]
 
 
-def _job(num_tokens: int, hashes: Sequence[bytes], timeout_s: float, req_id: str = "r") -> LookupJob:
-    rec = LookupRecord(req_id, num_tokens, len(hashes), "pipelined", 0, time.perf_counter())
-    return LookupJob(rec, list(hashes), timeout_s, NullObserver())
+def _job(num_tokens: int, hashes: Sequence[bytes], timeout_s: float, req_id: str = "r") -> Lookup:
+    return Lookup(req_id, num_tokens, list(hashes), "pipelined", 0, time.perf_counter(), timeout_s)
 
 
-def _wait_all(transport: PipelinedTransport, jobs: Sequence[LookupJob], bound_s: float = 10.0) -> None:
+def _wait_all(transport: Transport, jobs: Sequence[Lookup], bound_s: float = 10.0) -> None:
     """Drive the transport until every job is finished (each is bounded by its own deadline)."""
     deadline = time.perf_counter() + bound_s
     for job in jobs:
-        while job.answer is None:
+        while job.outcome is None:
             left = deadline - time.perf_counter()
             assert left > 0, "a job was never finished"
             transport.collect(min(left, 0.05), until=job)
@@ -83,10 +89,11 @@ def silent_router(private_dir: Path) -> Iterator[tuple[zmq.Socket, str]]:
     ctx.destroy(linger=0)
 
 
-def test_hundreds_in_flight_each_answer_matched(filler: PrefixIndex, index: PrefixIndex) -> None:
+def test_hundreds_in_flight_each_answer_matched(
+        Pipelined: type[Transport], filler: PrefixIndex, index: PrefixIndex) -> None:
     reqs, expected = _fill(filler, 400)
     with LookupServer(index) as server:
-        transport = PipelinedTransport(server.address, timeout_s=10.0)
+        transport = Pipelined(server.address, timeout_s=10.0)
         try:
             jobs = [_job(r.num_tokens, r.block_hashes, 10.0, r.req_id) for r in reqs]
             for i in range(0, len(jobs), 50):  # eight scheduler steps of 50 lookups, all in flight together
@@ -94,15 +101,16 @@ def test_hundreds_in_flight_each_answer_matched(filler: PrefixIndex, index: Pref
             _wait_all(transport, jobs)
         finally:
             transport.close()
-    assert [j.answer.result.hit_length for j in jobs] == expected  # type: ignore[union-attr]
-    assert {j.answer.outcome for j in jobs} == {Outcome.HIT, Outcome.MISS}  # type: ignore[union-attr]
+    assert [j.hit_length for j in jobs] == expected
+    assert {j.outcome for j in jobs} == {Outcome.HIT, Outcome.MISS}
     assert index.store_calls <= 8  # one store call per frame at most: a frame's lookups are answered together
     assert transport.late_replies == 0
 
 
-def test_one_send_carries_a_steps_lookups_in_one_frame(silent_router: tuple[zmq.Socket, str]) -> None:
+def test_one_send_carries_a_steps_lookups_in_one_frame(
+        Pipelined: type[Transport], silent_router: tuple[zmq.Socket, str]) -> None:
     router, address = silent_router
-    transport = PipelinedTransport(address, timeout_s=5.0)
+    transport = Pipelined(address, timeout_s=5.0)
     try:
         jobs = [_job(64, [bytes([i]) * 32] * 4, 5.0) for i in range(64)]
         transport.send(jobs)
@@ -115,12 +123,13 @@ def test_one_send_carries_a_steps_lookups_in_one_frame(silent_router: tuple[zmq.
         router.send_multipart([identity, p.encode_reply(req.frame_id, [
             p.result_of(q.lookup_id, LookupResult(16)) for q in reversed(req.queries)])])
         _wait_all(transport, jobs[:1])
-        assert all(j.answer is not None and j.answer.result.hit_length == 16 for j in jobs)
+        assert all(j.outcome is not None and j.hit_length == 16 for j in jobs)
     finally:
         transport.close()
 
 
-def test_late_and_unknown_replies_are_dropped_and_counted(filler: PrefixIndex, index: PrefixIndex,
+def test_late_and_unknown_replies_are_dropped_and_counted(
+        Pipelined: type[Transport], filler: PrefixIndex, index: PrefixIndex,
                                                           silent_router: tuple[zmq.Socket, str]) -> None:
     reqs, _ = _fill(filler, 4)
 
@@ -139,12 +148,18 @@ def test_late_and_unknown_replies_are_dropped_and_counted(filler: PrefixIndex, i
     with LookupServer(Slow()) as server:
         # timeout_s (server silence before a rebuild) is longer than the jobs' deadline here, so the
         # socket stays and the late replies do arrive.
-        transport = PipelinedTransport(server.address, timeout_s=5.0, on_late_reply=lambda: late.append(1))
+        transport = Pipelined(server.address, timeout_s=5.0, on_late_reply=lambda: late.append(1))
         try:
             jobs = [_job(r.num_tokens, r.block_hashes, 0.05) for r in reqs]
             transport.send(jobs)
             _wait_all(transport, jobs)
-            assert {j.answer.outcome for j in jobs} == {Outcome.TIMEOUT}  # type: ignore[union-attr]
+            assert {j.outcome for j in jobs} == {Outcome.TIMEOUT}
+            # The transport reads only while something is in flight: one more lookup, answered after the late
+            # replies (the server answers in order), brings them in.
+            extra = _job(reqs[0].num_tokens, reqs[0].block_hashes, 5.0, req_id="extra")
+            transport.send([extra])
+            _wait_all(transport, [extra])
+            assert extra.outcome in (Outcome.HIT, Outcome.MISS)
             _poll(lambda: transport.collect() or transport.late_replies == len(reqs))
             assert len(late) == len(reqs)
         finally:
@@ -152,7 +167,7 @@ def test_late_and_unknown_replies_are_dropped_and_counted(filler: PrefixIndex, i
 
     # A reply carrying an id nobody sent is counted the same way; the job still ends by its deadline.
     router, address = silent_router
-    transport = PipelinedTransport(address, timeout_s=5.0)
+    transport = Pipelined(address, timeout_s=5.0)
     try:
         job = _job(reqs[0].num_tokens, reqs[0].block_hashes, 0.5)
         transport.send([job])
@@ -162,22 +177,23 @@ def test_late_and_unknown_replies_are_dropped_and_counted(filler: PrefixIndex, i
         router.send_multipart([identity, b"\xc1 not msgpack"])
         _poll(lambda: transport.collect() or transport.late_replies == 2)
         _wait_all(transport, [job])
-        assert job.answer.outcome is Outcome.TIMEOUT  # type: ignore[union-attr]
+        assert job.outcome is Outcome.TIMEOUT
     finally:
         transport.close()
 
 
 def test_silent_server_rebuilds_the_socket_and_a_new_server_is_reached(
-        filler: PrefixIndex, index: PrefixIndex, silent_router: tuple[zmq.Socket, str]) -> None:
+        Pipelined: type[Transport], filler: PrefixIndex, index: PrefixIndex,
+        silent_router: tuple[zmq.Socket, str]) -> None:
     reqs, expected = _fill(filler, 9)
     router, address = silent_router
     rebuilt: list[int] = []
-    transport = PipelinedTransport(address, timeout_s=0.1, on_rebuild=lambda: rebuilt.append(1))
+    transport = Pipelined(address, timeout_s=0.1, on_rebuild=lambda: rebuilt.append(1))
     try:
         jobs = [_job(r.num_tokens, r.block_hashes, 0.1) for r in reqs]
         transport.send(jobs)
         _wait_all(transport, jobs)
-        assert {j.answer.outcome for j in jobs} == {Outcome.TIMEOUT}  # type: ignore[union-attr]
+        assert {j.outcome for j in jobs} == {Outcome.TIMEOUT}
         # The server stays silent: lookups keep timing out until the transport rebuilds its socket. (On a
         # loaded machine the first batch may be sent too late in its window to count as silence.)
         deadline = time.perf_counter() + 10
@@ -185,7 +201,7 @@ def test_silent_server_rebuilds_the_socket_and_a_new_server_is_reached(
             probe = _job(reqs[0].num_tokens, reqs[0].block_hashes, 0.1)
             transport.send([probe])
             _wait_all(transport, [probe])
-            assert probe.answer.outcome is Outcome.TIMEOUT  # type: ignore[union-attr]
+            assert probe.outcome is Outcome.TIMEOUT
         assert transport.rebuilds >= 1 and rebuilt
         router.close(linger=0)
         os.unlink(address.removeprefix("ipc://"))
@@ -193,7 +209,7 @@ def test_silent_server_rebuilds_the_socket_and_a_new_server_is_reached(
             job = _job(reqs[8].num_tokens, reqs[8].block_hashes, 5.0)
             transport.send([job])
             _wait_all(transport, [job])
-            assert job.answer.result.hit_length == expected[8]  # type: ignore[union-attr]
+            assert job.hit_length == expected[8]
     finally:
         transport.close()
 
@@ -211,7 +227,8 @@ def _start_serve(master: EmbeddedMaster, address: str, namespace: str) -> ChildP
     return serve
 
 
-def test_server_killed_and_restarted_with_lookups_in_flight(private_master: EmbeddedMaster, private_dir: Path,
+def test_server_killed_and_restarted_with_lookups_in_flight(
+        Pipelined: type[Transport], private_master: EmbeddedMaster, private_dir: Path,
                                                              request: pytest.FixtureRequest) -> None:
     master, namespace = private_master, "killed"
     writer = open_writer_store(master.rpc_address)  # holds the values: keep it open for the whole test
@@ -219,7 +236,7 @@ def test_server_killed_and_restarted_with_lookups_in_flight(private_master: Embe
     reqs, expected = _fill(PrefixIndex(writer, BLOCK, namespace), 300)
     address = f"ipc://{private_dir}/lookup.sock"
     server = _start_serve(master, address, namespace)
-    transport = PipelinedTransport(address, timeout_s=0.5)
+    transport = Pipelined(address, timeout_s=0.5)
     try:
         master.pause()  # the server's store calls hang: the lookups are surely in flight when it dies
         try:
@@ -229,13 +246,13 @@ def test_server_killed_and_restarted_with_lookups_in_flight(private_master: Embe
         finally:
             master.resume()
         _wait_all(transport, first)  # every one ends by its deadline, none hangs
-        assert {j.answer.outcome for j in first} == {Outcome.TIMEOUT}  # type: ignore[union-attr]
+        assert {j.outcome for j in first} == {Outcome.TIMEOUT}
         server = _start_serve(master, address, namespace)
         second = [_job(r.num_tokens, r.block_hashes, 5.0) for r in reqs]
         transport.send(second)
         _wait_all(transport, second)
-        assert [j.answer.result.hit_length for j in second] == expected  # type: ignore[union-attr]
-        assert {j.answer.outcome for j in second} <= {Outcome.HIT, Outcome.MISS}  # type: ignore[union-attr]
+        assert [j.hit_length for j in second] == expected
+        assert {j.outcome for j in second} <= {Outcome.HIT, Outcome.MISS}
     finally:
         transport.close()
         server.proc.send_signal(signal.SIGTERM)
@@ -246,7 +263,8 @@ def test_server_killed_and_restarted_with_lookups_in_flight(private_master: Embe
     assert server.proc.returncode == 0  # the restarted server stopped cleanly on SIGTERM
 
 
-def test_store_error_is_an_error_with_its_reason(private_master: EmbeddedMaster) -> None:
+def test_store_error_is_an_error_with_its_reason(
+        Pipelined: type[Transport], private_master: EmbeddedMaster) -> None:
     """A real store fault: the master is paused, so batch_is_exist times out with an error code."""
     master = private_master
     store = open_store(master.rpc_address, rpc_timeout_ms=300)
@@ -254,7 +272,7 @@ def test_store_error_is_an_error_with_its_reason(private_master: EmbeddedMaster)
         index = PrefixIndex(store, BLOCK, f"perr{os.getpid()}")
         req = shared_prefix_workload(1, prefix_blocks=0, unique_blocks=4, seed=7)[0]
         with LookupServer(index) as server:
-            transport = PipelinedTransport(server.address, timeout_s=10.0)
+            transport = Pipelined(server.address, timeout_s=10.0)
             try:
                 master.pause()
                 try:
@@ -265,26 +283,28 @@ def test_store_error_is_an_error_with_its_reason(private_master: EmbeddedMaster)
                     master.resume()
             finally:
                 transport.close()
-        assert job.answer.outcome is Outcome.ERROR  # type: ignore[union-attr]
-        assert "batch_is_exist" in (job.answer.error or "")  # type: ignore[union-attr]
+        assert job.outcome is Outcome.ERROR
+        assert "batch_is_exist" in (job.error or "")
     finally:
         store.close()
 
 
-def test_close_fails_what_is_left_and_refuses_more(silent_router: tuple[zmq.Socket, str]) -> None:
+def test_close_fails_what_is_left_and_refuses_more(
+        Pipelined: type[Transport], silent_router: tuple[zmq.Socket, str]) -> None:
     _, address = silent_router
-    transport = PipelinedTransport(address, timeout_s=30.0)
+    transport = Pipelined(address, timeout_s=30.0)
     jobs = [_job(64, [b"h" * 32], 30.0) for _ in range(3)]
     transport.send(jobs)
     transport.close()
-    assert {j.answer.error for j in jobs} == {"transport closed"}  # type: ignore[union-attr]
+    assert {j.error for j in jobs} == {"transport closed"}
     assert not transport.reset(1.0)
     with pytest.raises(TransportClosed):
         transport.send([_job(64, [b"h" * 32], 1.0)])
     transport.close()  # idempotent
 
 
-def test_lookup_client_over_pipelined_burst_and_reset(filler: PrefixIndex, index: PrefixIndex) -> None:
+def test_lookup_client_over_pipelined_burst_and_reset(
+        Pipelined: type[Transport], filler: PrefixIndex, index: PrefixIndex) -> None:
     reqs, expected = _fill(filler, 256, seed=3)
     config = LookupConfig(lookup_transport="pipelined", lookup_async=True, lookup_timeout_ms=5000)
     with LookupServer(index) as server:
@@ -298,7 +318,7 @@ def test_lookup_client_over_pipelined_burst_and_reset(filler: PrefixIndex, index
         assert result.n == 256 and result.hit_tokens == sum(expected)
         assert index.store_calls < 256
 
-        client = LookupClient(config, PipelinedTransport(server.address, timeout_s=config.timeout_s))
+        client = LookupClient(config, Pipelined(server.address, timeout_s=config.timeout_s))
         try:
             r = reqs[8]
             _poll(lambda: client.lookup(r.req_id, r.num_tokens, list(r.block_hashes), non_block=True) is not None)
@@ -309,19 +329,20 @@ def test_lookup_client_over_pipelined_burst_and_reset(filler: PrefixIndex, index
             client.close()
 
 
-def test_transport_reset_is_fenced_behind_earlier_lookups(filler: PrefixIndex, index: PrefixIndex) -> None:
+def test_transport_reset_is_fenced_behind_earlier_lookups(
+        Pipelined: type[Transport], filler: PrefixIndex, index: PrefixIndex) -> None:
     reqs, expected = _fill(filler, 9, seed=4)
     with LookupServer(index) as server:
-        transport = PipelinedTransport(server.address, timeout_s=5.0)
+        transport = Pipelined(server.address, timeout_s=5.0)
         try:
             before = [_job(r.num_tokens, r.block_hashes, 5.0) for r in reqs]
             transport.send(before)
             assert transport.reset(5.0)  # waits on the caller's thread, collecting the lookups' answers too
             _wait_all(transport, before)
-            assert [j.answer.result.hit_length for j in before] == expected  # type: ignore[union-attr]
+            assert [j.hit_length for j in before] == expected
             after = _job(reqs[8].num_tokens, reqs[8].block_hashes, 5.0)
             transport.send([after])
             _wait_all(transport, [after])
-            assert after.answer.outcome is Outcome.MISS  # type: ignore[union-attr]
+            assert after.outcome is Outcome.MISS
         finally:
             transport.close()

@@ -130,20 +130,19 @@ def test_known_blocks_count_only_in_the_epoch_they_were_found_in(instance: Insta
     """A lookup built before its client heard of a wipe (an older epoch) may still claim known blocks; the
     server must ask the store for them. Raw jobs on the real transport: the blocks are NOT in the store, so a
     hit can only come from trusting the claim."""
-    from mooncake_lookout.connector.job import LookupJob, LookupRecord
+    from mooncake_lookout.connector.lookup import Lookup
 
     hashes = unique_hashes(8, seed=950)
     transport = PipelinedTransport(instance.server.address, timeout_s=5.0)
     try:
-        job = LookupJob(LookupRecord("claim", 8 * BLOCK + 1, 8, "pipelined", 0, time.perf_counter()), hashes, 5.0,
-                        NullObserver())
+        job = Lookup("claim", 8 * BLOCK + 1, hashes, "pipelined", 0, time.perf_counter(), 5.0)
         job.known = 8
         job.epoch = instance.server.epoch if same_epoch else instance.server.epoch ^ 1
         assert instance.server.epoch != 0
         transport.send([job])
         transport.collect(5.0, until=job)
-        assert job.answer is not None and job.answer.outcome in (Outcome.HIT, Outcome.MISS)
-        assert job.answer.result.hit_length == (8 * BLOCK if same_epoch else 0)
+        assert job.outcome is not None and job.outcome in (Outcome.HIT, Outcome.MISS)
+        assert job.hit_length == (8 * BLOCK if same_epoch else 0)
     finally:
         transport.close()
 

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _record(req_id: str, *, tokens: int = 64, t0: float = 100.0) -> LookupRecord:
-    return LookupRecord(req_id, tokens, tokens // 16, "pipelined", 0, t0)
+    return LookupRecord(req_id, tokens, [b"h" * 32] * (tokens // 16), "pipelined", 0, t0)
 
 
 def _lifecycle(obs: ObserverSet, req_id: str, outcome: Outcome, *, tokens: int = 64, hit: int = 0,

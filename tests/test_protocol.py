@@ -46,23 +46,22 @@ def test_result_reply_round_trips_to_an_answer(lid: int, hit: int, tails: list[t
     assert reply.frame_id == 7 and reply.status == p.OK
     (res,) = reply.results
     assert res.lookup_id == lid and res.status == (p.OK if hit else p.MISS)
-    answer = p.answer_of(res)
-    assert answer.result == result
-    assert answer.outcome is (Outcome.HIT if hit else Outcome.MISS)
+    (answer,) = p.answers_of(reply)
+    assert answer == (lid, Outcome.HIT if hit else Outcome.MISS, hit, result.tail_key_boundaries, None)
 
 
 def test_a_store_error_stays_an_error_with_its_reason() -> None:
     reply = p.decode_reply(p.encode_reply(7, [p.result_of(3, RuntimeError("master unreachable"))]))
-    answer = p.answer_of(reply.results[0])
-    assert answer.outcome is Outcome.ERROR and answer.result.hit_length == 0
-    assert "master unreachable" in (answer.error or "")
+    ((lookup_id, outcome, hit, _, error),) = p.answers_of(reply)
+    assert (lookup_id, outcome, hit) == (3, Outcome.ERROR, 0)
+    assert "master unreachable" in (error or "")
 
 
-@pytest.mark.parametrize("status", [p.ERROR, p.BAD_REQUEST])
+@pytest.mark.parametrize("status", [p.ERROR, p.BAD_REQUEST, p.BUSY])
 def test_a_refused_frame_fails_its_lookups_with_the_reason(status: str) -> None:
-    answer = p.frame_error(p.decode_reply(p.encode_status(7, status, "master unreachable")))
-    assert answer.outcome is Outcome.ERROR and answer.result.hit_length == 0
-    assert "master unreachable" in (answer.error or "")
+    error, refused = p.frame_error(p.decode_reply(p.encode_status(7, status, "master unreachable")))
+    assert "master unreachable" in error and status in error
+    assert refused is (status != p.ERROR)  # turned away without asking the store: it says nothing of the store
 
 
 def test_client_refuses_to_encode_what_the_server_would_refuse() -> None:

@@ -75,7 +75,7 @@ def test_lookup_span_parents_rpc_span_across_threads(spans) -> None:  # type: ig
     observer, exporter = spans
     obs = ObserverSet([observer])
     req_id = "cmpl-7d1e-private-request-id"
-    rec = LookupRecord(req_id, 96, 6, "pipelined", 0, time.perf_counter(),
+    rec = LookupRecord(req_id, 96, [b"h" * 32] * 6, "pipelined", 0, time.perf_counter(),
                        trace_headers={"traceparent": TRACEPARENT})
     obs.submitted(rec)
 
@@ -151,11 +151,11 @@ def test_trace_context_rides_on_the_record_and_no_state_is_shared_between_thread
 
 def test_timeout_and_discard_end_the_span(spans) -> None:  # type: ignore[no-untyped-def]
     observer, exporter = spans
-    timed_out = LookupRecord("a", 32, 2, "upstream", 0, time.perf_counter())
+    timed_out = LookupRecord("a", 32, [b"h" * 32] * 2, "upstream", 0, time.perf_counter())
     observer.submitted(timed_out)
     timed_out.outcome, timed_out.error = Outcome.TIMEOUT, "no answer before the deadline"
     observer.consumed(timed_out)
-    gone = LookupRecord("b", 32, 2, "upstream", 0, time.perf_counter())
+    gone = LookupRecord("b", 32, [b"h" * 32] * 2, "upstream", 0, time.perf_counter())
     observer.submitted(gone)
 
     def take() -> None:  # what LookupJob.start() does on the transport thread
@@ -185,7 +185,7 @@ def test_unsampled_lookups_record_nothing(clean_otel_env: pytest.MonkeyPatch) ->
     provider = tracing.provider_from_env([exporter])
     assert provider is not None
     observer = TracingObserver(provider.get_tracer("test"), provider)
-    rec = LookupRecord("x", 16, 1, "upstream", 0, time.perf_counter())
+    rec = LookupRecord("x", 16, [b"h" * 32] * 1, "upstream", 0, time.perf_counter())
     observer.submitted(rec)
     observer.started(rec)
     observer.answered(rec)
@@ -268,7 +268,7 @@ def test_spans_reach_an_otlp_http_receiver(clean_otel_env: pytest.MonkeyPatch) -
         assert observer is not None
         obs = ObserverSet([observer])
         req_ids = [f"cmpl-secret-{i}" for i in range(3)]
-        recs = [LookupRecord(r, 64, 4, "pipelined", 0, time.perf_counter(),
+        recs = [LookupRecord(r, 64, [b"h" * 32] * 4, "pipelined", 0, time.perf_counter(),
                              trace_headers={"traceparent": TRACEPARENT} if i == 0 else None)
                 for i, r in enumerate(req_ids)]
         for rec in recs:

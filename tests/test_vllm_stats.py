@@ -29,7 +29,7 @@ from mooncake_lookout.metrics.vllm_stats import (
 def _lifecycle(obs: Any, req_id: str, outcome: Outcome, *, tokens: int = 64, hit: int = 0,
                deferrals: int = 0) -> None:
     """Events of one lookup as the client emits them on the scheduler thread (timings set by hand)."""
-    rec = LookupRecord(req_id, tokens, tokens // 16, "pipelined", 0, 10.0)
+    rec = LookupRecord(req_id, tokens, [b"h" * 32] * (tokens // 16), "pipelined", 0, 10.0)
     obs.submitted(rec)
     rec.t_start, rec.t_answer = 10.0001, 10.0006
     for _ in range(deferrals):
@@ -56,7 +56,7 @@ def test_collector_fills_one_record_per_step_and_tracks_pending() -> None:
     assert collector.take().is_empty()  # a quiet step ships nothing
     obs = ObserverSet([collector])
     _lifecycle(obs, "a", Outcome.HIT, hit=48, deferrals=2)
-    rec = LookupRecord("b", 32, 2, "pipelined", 0, 10.0)
+    rec = LookupRecord("b", 32, [b"h" * 32] * 2, "pipelined", 0, 10.0)
     obs.submitted(rec)  # still pending at the end of the step
     obs.scheduler_call("async", 3e-5)
     obs.breaker_changed(True)

@@ -114,18 +114,17 @@ def _timed_lookup(client: Any, req_id: str, hashes: Sequence[bytes]) -> float:
 
 def _burst(transport: Any, prompts: Sequence[Sequence[bytes]]) -> float:
     """Seconds from sending one frame of ``len(prompts)`` lookups until every one is answered."""
-    from mooncake_lookout.connector.events import LookupRecord, NullObserver
-    from mooncake_lookout.connector.job import LookupJob
+    from mooncake_lookout.connector.lookup import Lookup
 
-    jobs = [LookupJob(LookupRecord(f"b{i}", BLOCKS * BLOCK_SIZE + 1, BLOCKS, "pipelined", 0, time.perf_counter()),
-                      h, 5.0, NullObserver()) for i, h in enumerate(prompts)]
+    lookups = [Lookup(f"b{i}", BLOCKS * BLOCK_SIZE + 1, h, "pipelined", 0, time.perf_counter(), 5.0)
+               for i, h in enumerate(prompts)]
     t0 = time.perf_counter()
-    transport.send(jobs)
-    for job in jobs:
-        while job.answer is None:
-            transport.collect(1.0, until=job)
+    transport.send(lookups)
+    for lk in lookups:
+        while lk.outcome is None:
+            transport.collect(1.0, until=lk)
     seconds = time.perf_counter() - t0
-    if any(job.answer.result.hit_length != BLOCKS * BLOCK_SIZE for job in jobs):  # type: ignore[union-attr]
+    if any(lk.hit_length != BLOCKS * BLOCK_SIZE for lk in lookups):
         raise RuntimeError("a burst lookup was not a hit")
     return seconds
 

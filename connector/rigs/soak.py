@@ -495,7 +495,7 @@ def _soak_round(rig: FaultRig, plan: SoakPlan, work: list[WorkloadRequest], trac
     batch = [work[i] for i in plan.batch(size)]
     ids = [f"r{track.rounds}-{i}" for i in range(len(batch))]
     fault = plan.fault()
-    rnd = _Round(ids, batch, {rid: client.start(rid, req.num_tokens, req.block_hashes).rec
+    rnd = _Round(ids, batch, {rid: client.start(rid, req.num_tokens, req.block_hashes)
                               for rid, req in zip(ids, batch)})
     cleanup: Callable[[], None] | None = None
     if fault is not None:
@@ -627,7 +627,7 @@ def _inject(fault: str, rig: FaultRig, plan: SoakPlan, rnd: _Round,
     if fault == "reset":
         rig.wipe()
         for rid, req in zip(ids, batch):  # the scheduler asks again: fresh lookups of the new generation
-            records[rid] = client.start(rid, req.num_tokens, req.block_hashes).rec
+            records[rid] = client.start(rid, req.num_tokens, req.block_hashes)
         return None
     if fault == "abort_storm":  # every request of the round aborted at once, answered or not
         for rid in ids:
@@ -638,7 +638,7 @@ def _inject(fault: str, rig: FaultRig, plan: SoakPlan, rnd: _Round,
             other = work[plan.replacement()]
             client.discard(rid)
             batch[i] = other
-            records[rid] = client.start(rid, other.num_tokens, other.block_hashes).rec
+            records[rid] = client.start(rid, other.num_tokens, other.block_hashes)
         return None
     raise ValueError(f"unknown fault {fault!r}")
 

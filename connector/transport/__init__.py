@@ -3,8 +3,10 @@
 * :mod:`.base`: the :class:`Transport` contract (``submit`` never blocks; sockets live on the
   transport's own thread; every job is finished by its deadline) and :class:`TransportClosed`;
 * :mod:`.names`: the transport names, spelled once;
-* :mod:`.pipelined`: many lookups in flight over DEALER/ROUTER to our lookup server (CURVE over TCP, with
-  :mod:`.handshake` explaining a refused handshake);
+* :mod:`.pipelined` and :mod:`.pipelined_thread`: many lookups in flight over DEALER/ROUTER to our lookup
+  server, the socket on the caller's thread (blocking lookups) or on a thread of its own (async lookups);
+  :mod:`.inflight` is the book both keep on the caller's thread, :mod:`.dealer` their socket and frames
+  (CURVE over TCP, with :mod:`.handshake` explaining a refused handshake);
 * :mod:`.upstream`: vLLM 0.33's REQ/REP channel, one lookup at a time, made deadline-bound.
 
 :func:`make_transport` builds the one a configuration names; the transports themselves are imported
@@ -25,6 +27,11 @@ if TYPE_CHECKING:  # config imports the names from this package: no import cycle
 def make_transport(config: LookupConfig, address: str) -> Transport:
     """The transport ``config.lookup_transport`` names, connected to ``address``."""
     if config.lookup_transport == PIPELINED:
+        # Where the socket lives is decided by measurement (docs/architecture.md, "Which thread owns the socket").
+        if config.lookup_async:
+            from mooncake_lookout.connector.transport.pipelined_thread import ThreadedPipelinedTransport
+
+            return ThreadedPipelinedTransport(address, timeout_s=config.timeout_s, curve=config.client_curve())
         from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
 
         return PipelinedTransport(address, timeout_s=config.timeout_s, curve=config.client_curve())

@@ -1,17 +1,19 @@
-"""The contract between the lookup client and a wire: send jobs, collect their answers, bound every wait.
+"""The contract between the lookup client and a wire: hand over lookups, take in their answers, bound every wait.
 
 Every call comes from the client's (the scheduler's) thread. ``send`` never blocks. ``collect`` finishes
-the jobs whose answers have arrived and may wait, up to a bound the caller gives, for one job's answer.
-A sent job that is still unanswered at its deadline finishes as ``Outcome.TIMEOUT``. Whether a transport
-owns a thread is its own business (``pipelined`` does not: the caller's thread drives its socket).
+the lookups whose answers have arrived and may wait, up to a bound the caller gives, for one lookup's
+answer. A sent lookup still unanswered at its deadline finishes as ``Outcome.TIMEOUT``. Answers are applied
+to lookups on the caller's thread only (a transport with a thread of its own hands them over), so a lookup
+has one writer. Whether a transport owns a thread is its own business (docs/architecture.md says which does).
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Sequence
+from typing import Any
 
-from mooncake_lookout.connector.job import LookupJob
+from mooncake_lookout.connector.lookup import Lookup, Outcome
 
 
 class TransportClosed(RuntimeError):
@@ -19,44 +21,53 @@ class TransportClosed(RuntimeError):
 
 
 class Transport(abc.ABC):
-    """Carries lookup jobs to a lookup server and finishes each one, by its deadline at the latest."""
+    """Carries lookups to a lookup server and finishes each one, by its deadline at the latest."""
 
     name: str = "abstract"
     # Called for each reply that came after its lookup ended, or for none (the client sets it).
     on_late_reply: Callable[[], None] | None = None
-    # Called with each reply's store epoch and when its request was sent (a transport whose server reports
-    # an epoch: see server/epoch.py), before the reply's lookups finish.
-    on_epoch: Callable[[int, float], None] | None = None
+    # Called with each answer's store epoch, when its request was sent and when it was received (a transport
+    # whose server reports an epoch: see server/epoch.py), before the answer's lookups finish; never for a
+    # refusal or a failure.
+    on_epoch: Callable[[int, float, float], None] | None = None
+    # Called with each lookup whose answer was taken in (the client sets it), on the caller's thread.
+    on_answer: Callable[[Lookup], None] | None = None
     late_replies: int = 0
     rebuilds: int = 0
 
     @abc.abstractmethod
-    def send(self, jobs: Sequence[LookupJob], *, urgent: bool = False) -> None:
-        """Put ``jobs`` on their way; never blocks. ``urgent``: a caller is about to wait for them.
+    def send(self, lookups: Sequence[Lookup], *, urgent: bool = False) -> None:
+        """Put ``lookups`` on their way; never blocks. ``urgent``: a caller is about to wait for them.
 
-        A job that cannot be sent finishes at once with an error; raises :class:`TransportClosed` after close.
+        A lookup that cannot be sent finishes at once with an error; raises :class:`TransportClosed` after close.
         """
 
     @abc.abstractmethod
-    def collect(self, wait_s: float = 0.0, until: LookupJob | None = None) -> None:
-        """Finish the jobs whose answers have come and those past their deadline.
+    def collect(self, wait_s: float = 0.0, until: Lookup | None = None) -> None:
+        """Finish the lookups whose answers have come and those past their deadline.
 
         With ``until`` given, wait up to ``wait_s`` seconds for its answer (never past its deadline).
         """
+
+    @property
+    def has_news(self) -> bool:
+        """True when a thread of the transport's own has handed answers back that ``collect`` has not applied
+        yet (a transport whose socket is read by ``collect`` itself has none between calls)."""
+        return False
 
     def overdue(self, now: float) -> bool:
         """True when a lookup the server was asked has outlived its deadline (lookups queued behind it then
         end at once instead of waiting their turn). A transport with no queue of its own never is."""
         return False
 
-    def stuck(self, job: LookupJob, now: float) -> bool:
-        """True when ``job``, handed over but not sent, can no longer be sent in time: the caller ends it
+    def stuck(self, lk: Lookup, now: float) -> bool:
+        """True when ``lk``, handed over but not sent, can no longer be sent in time: the caller ends it
         (a timeout of the client's own, not held against the server) instead of asking again."""
-        return job.sent_at is None and self.overdue(now)
+        return lk.t_start is None and self.overdue(now)
 
-    def forget(self, job: LookupJob) -> None:
-        """Nobody wants ``job``'s answer any more: an unsent job is never sent, a reply for it counts as late."""
-        job.cancelled = True
+    def forget(self, lk: Lookup) -> None:
+        """Nobody wants ``lk``'s answer any more: an unsent lookup is never sent, a reply for it counts as late."""
+        lk.cancelled = True
 
     @abc.abstractmethod
     def reset(self, timeout_s: float) -> bool:
@@ -64,11 +75,19 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Close sockets (and stop any thread); jobs still queued or in flight finish as errors."""
+        """Close sockets (and stop any thread); lookups still queued or in flight finish as errors."""
 
-    def _epoch(self, epoch: int, sent_at: float) -> None:
+    def _epoch(self, epoch: int, sent_at: float, received: float) -> None:
         if self.on_epoch is not None:
-            self.on_epoch(epoch, sent_at)
+            self.on_epoch(epoch, sent_at, received)
+
+    def _finish(self, lk: Lookup, outcome: Outcome, now: float, hit_length: int = 0, tails: tuple[Any, ...] = (),
+                error: str | None = None, *, local: bool = False, refused: bool = False) -> None:
+        """Record ``lk``'s answer (caller's thread); a second answer for it counts as late."""
+        if not lk.finish(outcome, now, hit_length, tails, error, local=local, refused=refused):
+            self._count_late()
+        elif self.on_answer is not None:
+            self.on_answer(lk)
 
     def _count_late(self) -> None:
         self.late_replies += 1

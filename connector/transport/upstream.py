@@ -3,11 +3,12 @@
 vLLM's ``LookupKeyServer`` answers one lookup at a time, so lookups queue. One thread of ours owns the REQ
 socket and sends the next lookup the moment the previous answer is in: a burst is served at the server's
 pace whatever the scheduler is doing (measured faster than driving the socket from the scheduler's
-thread, which could only advance once per scheduler call). Each round trip polls with the job's own
+thread, which could only advance once per scheduler call). Each round trip polls with the lookup's own
 deadline, counted from the moment it is sent (waiting in this queue is not the server's fault); on expiry
 the socket is closed and rebuilt (ZMQ's "lazy pirate"), so a stalled or restarted server never wedges the
-thread. ``send`` appends to a deque and notifies the thread; ``urgent`` jobs (a caller is about to block on
-them) jump the queue. Answers are written by the thread; the caller waits on the job's :class:`DoneFlag`.
+thread. ``send`` appends to a deque and notifies the thread; ``urgent`` lookups (a caller is about to block
+on them) jump the queue. The thread marks a lookup sent when it sends it (its deadline starts then) and hands
+each answer back; the caller's thread applies it (``collect``), and waits on an event for one it needs.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import zmq
 
-from mooncake_lookout.connector.events import Outcome
-from mooncake_lookout.connector.job import Answer, DoneFlag, LookupJob
 from mooncake_lookout.connector.logs import RateLimit
+from mooncake_lookout.connector.lookup import ERROR, TIMEOUT, Lookup
 from mooncake_lookout.connector.transport.base import Transport, TransportClosed
 from mooncake_lookout.connector.wire import upstream as wire
 
@@ -59,6 +60,9 @@ class UpstreamTransport(Transport):
         self._on_rebuild = on_rebuild
         self._queue: collections.deque[object] = collections.deque()
         self._ready = threading.Condition(threading.Lock())
+        # (lookup, outcome, when, hit, tails, error, local) handed back by the thread; applied by the caller.
+        self._answers: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._arrived = threading.Event()
         self._closed = False
         self._inflight_deadline: float | None = None  # written by the thread, read by the caller
         self.last_sent = 0.0  # when the thread last sent a lookup (written by the thread, read by the caller)
@@ -69,38 +73,67 @@ class UpstreamTransport(Transport):
         self._thread.start()
 
     # -- caller's thread ------------------------------------------------------------------------------------
-    def send(self, jobs: Sequence[LookupJob], *, urgent: bool = False) -> None:
-        """Queue ``jobs`` for the thread (``urgent``: in front of the others)."""
+    def send(self, lookups: Sequence[Lookup], *, urgent: bool = False) -> None:
+        """Queue ``lookups`` for the thread (``urgent``: in front of the others)."""
         if self._closed:
             raise TransportClosed("lookup transport is closed")
-        for job in jobs:
-            job.done = DoneFlag()
         with self._ready:
             if urgent:
-                self._queue.extendleft(reversed(jobs))
+                self._queue.extendleft(reversed(lookups))
             else:
-                self._queue.extend(jobs)
+                self._queue.extend(lookups)
             self._ready.notify()
 
-    def collect(self, wait_s: float = 0.0, until: LookupJob | None = None) -> None:
-        """Answers are written by the thread; with ``until``, wait up to ``wait_s`` for its answer."""
-        if until is not None and wait_s > 0 and until.answer is None and until.done is not None:
+    def collect(self, wait_s: float = 0.0, until: Lookup | None = None) -> None:
+        """Apply the answers handed back; with ``until``, wait up to ``wait_s`` for its answer."""
+        answers = self._answers
+        if answers:
+            self._apply(answers)
+        if until is None or wait_s <= 0 or until.outcome is not None:
+            return
+        end = time.perf_counter() + wait_s
+        while until.outcome is None:
+            left = end - time.perf_counter()
             if until.deadline is not None:
-                wait_s = min(wait_s, max(0.0, until.deadline - time.perf_counter()))
-            until.done.wait(wait_s)
+                left = min(left, until.deadline - time.perf_counter())
+            if left <= 0:
+                return
+            self._arrived.clear()
+            if not answers:
+                self._arrived.wait(left)
+            self._apply(answers)
+
+    def _apply(self, answers: collections.deque[tuple[Any, ...]]) -> None:
+        while answers:
+            lk, outcome, now, hit, tails, error, local = answers.popleft()
+            if not lk.cancelled:
+                self._finish(lk, outcome, now, hit, tails, error, local=local)
+            elif not local:  # a reply for a lookup nobody wants any more
+                self._count_late()
+
+    def _hand_back(self, lk: Lookup, outcome: Any, hit: int = 0, tails: tuple[Any, ...] = (),
+                   error: str | None = None, *, local: bool = False) -> None:
+        """An answer for the caller (transport thread): queued, and the caller woken if it waits."""
+        self._answers.append((lk, outcome, time.perf_counter(), hit, tails, error, local))
+        self._arrived.set()
+
+    @property
+    def has_news(self) -> bool:
+        """True when the thread handed answers back that are not applied yet."""
+        return bool(self._answers)
 
     def overdue(self, now: float) -> bool:
         """True once the lookup in flight has outlived its deadline (the server is not answering)."""
         deadline = self._inflight_deadline
         return deadline is not None and now >= deadline
 
-    def stuck(self, job: LookupJob, now: float) -> bool:
-        """Queued behind an overdue lookup, or the thread sent nothing for a whole deadline since ``job`` was
+    def stuck(self, lk: Lookup, now: float) -> bool:
+        """Queued behind an overdue lookup, or the thread sent nothing for a whole deadline since ``lk`` was
         queued (it is starved or wedged): a queued lookup waits for the one ahead of it, never longer."""
-        if job.sent_at is not None or job.answer is not None:
+        if lk.t_start is not None or lk.outcome is not None:
             return False
-        queued = job.rec.t_queued
-        return self.overdue(now) or (queued is not None and now >= max(queued, self.last_sent) + job.timeout_s)
+        queued = lk.t_queued
+        return self.overdue(now) or (queued is not None and now >= max(queued, self.last_sent) + lk.timeout_s)
 
     def reset(self, timeout_s: float) -> bool:
         """Queue a reset behind every lookup already queued (so it is fenced) and wait up to ``timeout_s``."""
@@ -114,7 +147,7 @@ class UpstreamTransport(Transport):
         return item.ok
 
     def close(self) -> None:
-        """Stop the thread after the round trip it is in (bounded by that job's deadline); close the socket there."""
+        """Stop the thread after the round trip it is in (bounded by that lookup's deadline); close the socket there."""
         if self._closed:
             return
         self._closed = True
@@ -122,6 +155,7 @@ class UpstreamTransport(Transport):
             self._queue.append(_STOP)
             self._ready.notify()
         self._thread.join(timeout=5.0)
+        self._apply(self._answers)
         if not self._thread.is_alive():
             self._ctx.term()
 
@@ -138,7 +172,7 @@ class UpstreamTransport(Transport):
             if item is _STOP:
                 break
             try:
-                if isinstance(item, LookupJob):
+                if isinstance(item, Lookup):
                     self._lookup(item)
                 elif isinstance(item, _Reset):
                     self._reset(item)
@@ -180,44 +214,44 @@ class UpstreamTransport(Transport):
         self._rebuild()
         return None
 
-    def _lookup(self, job: LookupJob) -> None:
-        if job.cancelled or job.answer is not None:
+    def _lookup(self, lk: Lookup) -> None:
+        if lk.cancelled or lk.outcome is not None:
             return
+        hashes = lk.block_hashes
         try:
-            frames = wire.encode_lookup(job.num_tokens, job.block_hashes)
+            frames = wire.encode_lookup(lk.num_tokens, hashes if len(hashes) == lk.num_hashes else
+                                        hashes[:lk.num_hashes])
         except wire.WireError as e:
-            job.finish(Answer(Outcome.ERROR, error=str(e)))
+            self._hand_back(lk, ERROR, error=str(e))
             return
-        job.sent()
-        self.last_sent = job.sent_at or 0.0
-        self._inflight_deadline = job.deadline
+        lk.sent(time.perf_counter())  # the one field this thread writes: the lookup is on the wire from now
+        self.last_sent = lk.t_start or 0.0
+        self._inflight_deadline = lk.deadline
         try:
-            reply = self._round_trip(frames, (job.deadline or 0.0) - time.perf_counter())
+            reply = self._round_trip(frames, (lk.deadline or 0.0) - time.perf_counter())
         except zmq.ZMQError as e:
             self._inflight_deadline = None
-            job.finish(Answer(Outcome.ERROR, error=f"zmq: {e}"))
+            self._hand_back(lk, ERROR, error=f"zmq: {e}")
             return
         if reply is None:
             # The lookups queued behind it end first, while it still counts as overdue: a caller must never
             # find one of them neither failed nor behind an overdue lookup (it would defer past the deadline).
             self._fail_queued()
             self._inflight_deadline = None
-            job.finish(Answer(Outcome.TIMEOUT, error="no reply before the deadline"))
+            self._hand_back(lk, TIMEOUT, error="no reply before the deadline")
             return
         self._inflight_deadline = None
-        if job.cancelled:
-            self._count_late()
-        else:
-            job.finish(wire.decode_lookup_reply(reply))
+        outcome, hit, tails, error = wire.decode_lookup_reply(reply)
+        self._hand_back(lk, outcome, hit, tails, error)
 
     def _fail_queued(self) -> None:
         """The server left a lookup unanswered: the lookups queued behind it end now (they were never sent,
         so this is not held against the server a second time), instead of each waiting a deadline in turn."""
         with self._ready:
-            queued = [item for item in self._queue if isinstance(item, LookupJob)]
-            self._queue = collections.deque(item for item in self._queue if not isinstance(item, LookupJob))
-        for job in queued:
-            job.finish(Answer(Outcome.TIMEOUT, error=QUEUED_BEHIND_TIMEOUT, local=True))
+            queued = [item for item in self._queue if isinstance(item, Lookup)]
+            self._queue = collections.deque(item for item in self._queue if not isinstance(item, Lookup))
+        for lk in queued:
+            self._hand_back(lk, TIMEOUT, error=QUEUED_BEHIND_TIMEOUT, local=True)
 
     def _reset(self, item: _Reset) -> None:
         try:
@@ -230,8 +264,8 @@ class UpstreamTransport(Transport):
         """Finish whatever is still queued at close as errors, so no caller waits on it."""
         while self._queue:
             item = self._queue.popleft()
-            if isinstance(item, LookupJob):
-                item.finish(Answer(Outcome.ERROR, error="transport closed"))
+            if isinstance(item, Lookup):
+                self._hand_back(item, ERROR, error="transport closed")
             elif isinstance(item, _Reset):
                 item.done.set()
 

@@ -32,8 +32,8 @@ from collections.abc import Sequence
 
 import msgspec
 
-from mooncake_lookout.connector.events import Outcome
-from mooncake_lookout.connector.job import Answer, HashBlob, LookupResult, TailKeyBoundary
+from mooncake_lookout.connector.job import HashBlob, LookupResult, TailKeyBoundary
+from mooncake_lookout.connector.lookup import Outcome
 
 VERSION = 2
 UNKNOWN_ID = 0
@@ -142,7 +142,6 @@ _ENCODER = msgspec.msgpack.Encoder()
 _HEADER = msgspec.msgpack.Decoder(Header)
 _BODY = msgspec.msgpack.Decoder(list[Query])
 _REPLY = msgspec.msgpack.Decoder(Reply)
-_MISS_ANSWER = Answer(Outcome.MISS)
 
 
 # -- client side ---------------------------------------------------------------------------------------------
@@ -198,21 +197,29 @@ def decode_reply(frame: bytes) -> Reply:
     return reply
 
 
-def answer_of(result: Result) -> Answer:
-    """One query's result as the :class:`Answer` a lookup ends with: errors stay errors, never misses."""
-    if result.status == MISS and not result.tails:
-        return _MISS_ANSWER
-    if result.status == ERROR:
-        return Answer(Outcome.ERROR, error=result.reason or "store error")
-    tails = tuple(TailKeyBoundary(g, n) for g, n in result.tails)
-    return Answer.from_result(LookupResult(result.hit_length, tails))
+# One query's answer as the client applies it: (lookup id, outcome, hit tokens, tail boundaries, error).
+Answered = tuple[int, Outcome, int, tuple[TailKeyBoundary, ...], "str | None"]
+_NO_TAILS: tuple[TailKeyBoundary, ...] = ()
 
 
-def frame_error(reply: Reply) -> Answer:
-    """The answer every lookup of a refused or failed frame ends with: refused (``busy``, ``bad_request``) when the
-    server turned the frame away without asking the store, which says nothing of the store."""
-    return Answer(Outcome.ERROR, error=f"{reply.status}: {reply.reason}",
-                  refused=reply.status in (BUSY, BAD_REQUEST))
+def answers_of(reply: Reply) -> list[Answered]:
+    """Each result of an ``ok`` reply as the answer its lookup ends with: errors stay errors, never misses."""
+    out: list[Answered] = []
+    for r in reply.results:
+        if r.status == ERROR:
+            out.append((r.lookup_id, Outcome.ERROR, 0, _NO_TAILS, r.reason or "store error"))
+        elif r.hit_length > 0 or r.tails:
+            tails = tuple(TailKeyBoundary(g, n) for g, n in r.tails)
+            out.append((r.lookup_id, Outcome.HIT if r.hit_length > 0 else Outcome.MISS, r.hit_length, tails, None))
+        else:
+            out.append((r.lookup_id, Outcome.MISS, 0, _NO_TAILS, None))
+    return out
+
+
+def frame_error(reply: Reply) -> tuple[str, bool]:
+    """Why every lookup of a refused or failed frame ends in error, and whether the server turned the frame away
+    (``busy``, ``bad_request``) without asking the store, which says nothing of the store."""
+    return f"{reply.status}: {reply.reason}", reply.status in (BUSY, BAD_REQUEST)
 
 
 # -- server side ---------------------------------------------------------------------------------------------
@@ -310,9 +317,9 @@ def encode_status(frame_id: int, status: str, reason: str = "", epoch: int = 0) 
 
 
 __all__ = [
-    "BAD_REQUEST", "BUSY", "ERROR", "FRAME_STATUSES", "Header", "Lookups", "MAX_BODY_BYTES", "MAX_HASHES",
+    "Answered", "BAD_REQUEST", "BUSY", "ERROR", "FRAME_STATUSES", "Header", "Lookups", "MAX_BODY_BYTES", "MAX_HASHES",
     "MAX_HASH_BYTES", "MAX_HEADER_BYTES", "MAX_QUERIES", "MISS", "OK", "OPS", "OP_LOOKUP", "OP_RESET",
-    "ProtocolError", "Query", "RESULT_STATUSES", "Reply", "Reset", "Result", "UNKNOWN_ID", "VERSION", "answer_of",
+    "ProtocolError", "Query", "RESULT_STATUSES", "Reply", "Reset", "Result", "UNKNOWN_ID", "VERSION", "answers_of",
     "check_query", "decode_reply", "decode_request", "encode_lookup", "encode_lookups", "encode_reply", "encode_reset",
     "encode_status", "frame_error", "frame_id_of", "query", "query_bytes", "result_of",
 ]

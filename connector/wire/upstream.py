@@ -13,8 +13,8 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
-from mooncake_lookout.connector.events import Outcome
-from mooncake_lookout.connector.job import Answer, HashBlob, LookupResult, TailKeyBoundary
+from mooncake_lookout.connector.job import HashBlob, LookupResult, TailKeyBoundary
+from mooncake_lookout.connector.lookup import Outcome
 
 LOOKUP_MSG = b"lookup"
 RESET_MSG = b"reset"
@@ -62,16 +62,17 @@ def encode_lookup_reply(result: LookupResult) -> bytes:
     return bytes(out)
 
 
-def decode_lookup_reply(payload: bytes) -> Answer:
-    """A reply as an :class:`Answer`: a result, the store-error extension, or an error for anything malformed."""
+def decode_lookup_reply(payload: bytes) -> tuple[Outcome, int, tuple[TailKeyBoundary, ...], str | None]:
+    """A reply as (outcome, hit tokens, tail boundaries, error): a hit or miss, the store-error extension, or an
+    error for anything malformed (never a miss)."""
     if payload == RESP_ERR:
-        return Answer(Outcome.ERROR, error="store error reported by the lookup server")
+        return Outcome.ERROR, 0, (), "store error reported by the lookup server"
     n = len(payload)
     if n < 4 or (n - 4) % _BOUNDARY.size:
-        return Answer(Outcome.ERROR, error=f"malformed lookup reply of {n} bytes")
+        return Outcome.ERROR, 0, (), f"malformed lookup reply of {n} bytes"
     hit = _U32.unpack_from(payload, 0)[0]
     tails = tuple(TailKeyBoundary(*_BOUNDARY.unpack_from(payload, off)) for off in range(4, n, _BOUNDARY.size))
-    return Answer.from_result(LookupResult(hit, tails))
+    return (Outcome.HIT if hit > 0 else Outcome.MISS), hit, tails, None
 
 
 __all__ = [
