@@ -31,12 +31,14 @@ CRD_GROUP = "monitoring.coreos.com/v1"
 @pytest.fixture(scope="module")
 def rendered() -> dict[tuple[str, str], list[dict[str, Any]]]:
     """Every value set rendered for every Kubernetes version, by (set name, version), for a cluster that serves
-    the Prometheus Operator's CRDs (so the monitoring objects render too)."""
+    the Prometheus Operator's CRDs (so the monitoring objects render too), where kube-prometheus-stack runs as
+    release kps (a value set that names no release gets that one)."""
     out = {}
     for name, path in VALUE_SETS.items():
+        sets = {} if values_of(name)["monitoring"]["release"] else {"monitoring.release": '"kps"'}
         for version in KUBE_VERSIONS:
-            out[(name, version)] = chart.template([path] if path else [], kube_version=version,
-                                                  api_versions=[chart.MONITORING_API])
+            out[(name, version)] = chart.template([path] if path else [], kube_version=version, sets=sets,
+                                                  api_versions=chart.MONITORING_APIS)
     return out
 
 

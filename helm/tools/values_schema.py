@@ -285,10 +285,12 @@ def shape() -> dict[str, Any]:
             store=store,
             monitoring=obj(
                 enabled={"enum": ["auto", True, False]},
-                release={"type": "string", "maxLength": 63},
+                # A label value (kube-prometheus-stack's release name), or false for none.
+                release={"anyOf": [{"type": "string", "maxLength": 63}, {"const": False}]},
                 namespace=DNS_LABEL,
                 serviceMonitor=obj(**monitor, scrapeProtocols=SCRAPE_PROTOCOLS),
                 masterMonitor=obj(**monitor, kind={"type": "string", "enum": ["PodMonitor", "ServiceMonitor"]}),
+                storeMonitor=obj(**monitor),
                 prometheusRule=obj(enabled={"type": "boolean"}, labels=STRING_MAP,
                                    runbookBaseUrl={"type": "string", "pattern": "^(https?://.+)?$"}),
             ),

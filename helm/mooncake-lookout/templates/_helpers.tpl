@@ -142,30 +142,6 @@ The Mooncake store client's configuration (vLLM reads it from MOONCAKE_CONFIG_PA
 {{- end }}
 
 {{/*
-"true" when the Prometheus Operator objects are rendered: monitoring.enabled true, or "auto" and the cluster
-serves monitoring.coreos.com/v1 (helm template: pass --api-versions monitoring.coreos.com/v1).
-*/}}
-{{- define "lookout.monitoringOn" -}}
-{{- $on := .Values.monitoring.enabled }}
-{{- if eq (toString $on) "auto" }}
-{{- if .Capabilities.APIVersions.Has "monitoring.coreos.com/v1" }}true{{ end }}
-{{- else if $on }}true{{ end }}
-{{- end }}
-
-{{/*
-Labels of a monitoring object: the release label kube-prometheus-stack selects on, then the object's own.
-Call with (dict "ctx" $ "labels" .labels).
-*/}}
-{{- define "lookout.monitorLabels" -}}
-{{- with .ctx.Values.monitoring.release }}
-release: {{ . | quote }}
-{{- end }}
-{{- with .labels }}
-{{ toYaml . }}
-{{- end }}
-{{- end }}
-
-{{/*
 The store's name in the HA backend: the masters' --cluster_id and every store client's MC_STORE_CLUSTER_ID.
 */}}
 {{- define "lookout.clusterId" -}}
