@@ -101,7 +101,7 @@ SCHEDULING = {"nodeSelector": STRING_MAP, "tolerations": LIST, "affinity": FREE_
 
 
 def probe() -> dict[str, Any]:
-    return obj(periodSeconds=positive(3600), failureThreshold=positive(10_000))
+    return obj(periodSeconds=positive(3600), timeoutSeconds=positive(3600), failureThreshold=positive(10_000))
 
 
 def lookup_schema() -> dict[str, Any]:
@@ -179,6 +179,8 @@ def shape() -> dict[str, Any]:
             samplerArg={"type": "string"},
         ),
         probes=obj(startup=probe(), liveness=probe(), readiness=probe()),
+        preStopSleepSeconds={"type": "integer", "minimum": 0, "maximum": 3600},
+        lifecycle=FREE_MAP,  # a Kubernetes Lifecycle (postStart, preStop)
         service=obj(type=SERVICE_TYPE, annotations=STRING_MAP),
         pdb=pdb("maxUnavailable", 1),
         podSecurityContext=FREE_MAP,

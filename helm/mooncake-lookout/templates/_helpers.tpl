@@ -278,3 +278,19 @@ The NetworkPolicy peer of the Prometheus pods: monitoring.namespace, narrowed by
     {}
     {{- end }}
 {{- end }}
+
+{{/*
+The engine's lifecycle hooks: engine.lifecycle, plus a preStop pause of engine.preStopSleepSeconds unless it sets a
+preStop of its own. The pause must leave part of the grace period to the shutdown itself.
+*/}}
+{{- define "lookout.engineLifecycle" -}}
+{{- $e := .Values.engine }}
+{{- $hooks := deepCopy $e.lifecycle }}
+{{- if and $e.preStopSleepSeconds (not (hasKey $hooks "preStop")) }}
+{{- if ge (int $e.preStopSleepSeconds) (int $e.terminationGracePeriodSeconds) }}
+{{- fail (printf "engine.preStopSleepSeconds %v must be below engine.terminationGracePeriodSeconds %v: the pause counts against the grace period, and the engine needs time after it to finish its requests" $e.preStopSleepSeconds $e.terminationGracePeriodSeconds) }}
+{{- end }}
+{{- $_ := set $hooks "preStop" (dict "exec" (dict "command" (list "sleep" (toString $e.preStopSleepSeconds)))) }}
+{{- end }}
+{{- with $hooks }}{{ toYaml . }}{{ end }}
+{{- end }}
