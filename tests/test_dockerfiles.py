@@ -223,6 +223,30 @@ def test_master_image_installs_the_pinned_wheel_and_runs_as_the_charts_user():
     assert sorted(int(p) for p in expose.split()) == sorted(ports)
 
 
+def apt_installs(stage: Stage) -> list[str]:
+    """Packages given to `apt-get install` in a stage's RUN instructions (options dropped)."""
+    found: list[str] = []
+    for keyword, rest in stage.instructions:
+        if keyword != "RUN":
+            continue
+        for command in re.split(r"&&|;", rest):
+            tokens = shlex.split(command)
+            if tokens[:1] == ["apt-get"] and "install" in tokens:
+                found += [t for t in tokens[tokens.index("install") + 1:] if not t.startswith("-")]
+    return found
+
+
+@pytest.mark.parametrize("image", ["engine", "master"])
+def test_both_images_carry_the_rdma_drivers_libibverbs_loads(image):
+    """libibverbs finds a NIC only through a provider (libmlx5 and the others of ibverbs-providers); installed with
+    --no-install-recommends, libibverbs1 leaves them out. The master image also runs the store pods."""
+    stage = (ENGINE if image == "engine" else MASTER).stages[-1]
+    installs = apt_installs(stage)
+    assert {"libibverbs1", "ibverbs-providers"} <= set(installs), installs
+    (run,) = [rest for k, rest in stage.instructions if k == "RUN" and "apt-get install" in rest]
+    assert "apt-get update" in run and "rm -rf /var/lib/apt/lists/*" in run  # one layer, no stale index
+
+
 def test_chart_annotations_name_the_versions_the_images_install():
     meta = yaml.safe_load((CHART / "Chart.yaml").read_text())["annotations"]
     assert ENGINE.stages[-1].base.endswith("v" + meta["mooncake-lookout/vllm-version"])

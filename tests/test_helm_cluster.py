@@ -54,3 +54,138 @@ def test_a_pause_that_takes_the_whole_grace_period_is_refused():
 def test_a_probe_timeout_must_be_a_positive_number_of_seconds(key):
     with pytest.raises(chart.HelmError, match=key.rsplit(".", 1)[0]):
         chart.template(sets={key: "0"})
+
+
+# -- memory ---------------------------------------------------------------------------------------------------------
+
+GIB = 1 << 30
+
+
+def memory_message(sets: dict[str, str], values_files=()) -> str:
+    with pytest.raises(chart.HelmError) as failed:
+        chart.template(values_files, sets=sets)
+    return str(failed.value)
+
+
+def test_every_value_set_holds_its_ranks_segments_and_shm_in_the_memory_limit():
+    """Each value set renders, so each passed the check; pipelined (2 ranks x (16 + 4) GB) had to grow to 64Gi."""
+    for name, path in {"default": None, **chart.ci_value_sets()}.items():
+        objects = chart.template([path] if path else [])
+        assert chart.find(objects, "Deployment", "-engine"), name
+    pipelined = container(chart.template([chart.ci_value_sets()["pipelined"]]))
+    assert pipelined["resources"]["limits"]["memory"] == "64Gi"
+    assert pipelined["args"][pipelined["args"].index("--tensor-parallel-size") + 1] == "2"
+
+
+def test_an_engine_limit_that_cannot_hold_the_store_clients_is_refused_naming_every_size():
+    """What ci/pipelined-values.yaml asked before: two ranks of 16 GB + 4 GB, /dev/shm 8Gi, in a 32Gi limit."""
+    message = memory_message({"engine.tensorParallelSize": "2", "engine.mooncake.globalSegmentSize": '"16GB"',
+                              "engine.resources.limits.nvidia\\.com/gpu": "2"})
+    for part in ("engine.resources.limits.memory 32Gi (32.0 GiB)", "2 rank(s)", "engine.tensorParallelSize 2",
+                 "engine.mooncake.globalSegmentSize 16GB", "engine.mooncake.localBufferSize 4GB", "= 40.0 GiB",
+                 "/dev/shm 8Gi", "engine.memoryHeadroom 8Gi", "56.0 GiB", "Raise engine.resources.limits.memory"):
+        assert part in message, (part, message)
+
+
+@pytest.mark.parametrize("sets, fits", [
+    # 8 + 8 + 8 = 24 GiB in 32Gi.
+    ({}, True),
+    # Exactly the limit fits: 2 x 8 + 8 + 8 = 32 GiB.
+    ({"engine.tensorParallelSize": "2", "engine.resources.limits.nvidia\\.com/gpu": "2"}, True),
+    # One byte over: 24 GiB + 8 GiB + 1 B in 32Gi.
+    ({"engine.memoryHeadroom": '"17179869185"'}, False),
+    # /dev/shm off frees its 8Gi.
+    ({"engine.memoryHeadroom": '"16Gi"', "engine.shm.enabled": "false"}, True),
+    # standalone-store lends no segment: 4 x 4 + 8 + 8 = 32 GiB.
+    ({"engine.mooncake.mode": '"standalone-store"', "engine.dataParallelSize": "4",
+      "engine.resources.limits.nvidia\\.com/gpu": "4"}, True),
+    # ...embedded, the same pod needs 4 x 8 + 16 = 48 GiB.
+    ({"engine.dataParallelSize": "4", "engine.resources.limits.nvidia\\.com/gpu": "4"}, False),
+    # Units as Kubernetes writes them: 32000Mi is 31.25 GiB.
+    ({"engine.resources.limits.memory": '"32000Mi"', "engine.tensorParallelSize": "2",
+      "engine.resources.limits.nvidia\\.com/gpu": "2"}, False),
+    # No memory limit: nothing is OOM-killed at a limit, nothing to check.
+    ({"engine.resources.limits.memory": "null", "engine.resources.limits.nvidia\\.com/gpu": "8",
+      "engine.tensorParallelSize": "8"}, True),
+])
+def test_the_memory_check_adds_what_the_pod_takes(sets, fits):
+    if fits:
+        assert chart.template(sets=sets)
+    else:
+        assert "cannot hold what the engine pod takes" in memory_message(sets)
+
+
+def test_parallel_sizes_are_values_the_check_can_see_and_need_their_gpus():
+    for flag in ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size=2", "--data-parallel-size"):
+        message = memory_message({"engine.extraArgs": json.dumps([flag, "2"])})
+        assert "engine.extraArgs sets" in message and "instead" in message, message
+    assert "vLLM needs a GPU per rank" in memory_message({"engine.pipelineParallelSize": "2"})
+    args = container(chart.template(sets={"engine.pipelineParallelSize": "2", "engine.dataParallelSize": "2",
+                                          "engine.resources.limits": '{"memory": "64Gi", "nvidia.com/gpu": 4}'}))["args"]
+    assert args[args.index("--pipeline-parallel-size") + 1] == "2" and "--tensor-parallel-size" not in args
+    assert args[args.index("--data-parallel-size") + 1] == "2"
+
+
+def test_a_store_pod_limit_must_hold_its_segment():
+    sets = {"store.enabled": "true", "store.globalSegmentSize": '"17GB"'}  # 17 GiB + 64 MiB + 1 GiB > 18Gi
+    message = memory_message(sets)
+    assert "store.resources.limits.memory 18Gi (18.0 GiB) cannot hold a store pod" in message
+    assert "store.globalSegmentSize 17GB + store.localBufferSize 64MB + store.memoryHeadroom 1Gi" in message
+    assert chart.template(sets={"store.enabled": "true", "store.globalSegmentSize": '"16GB"'})
+
+
+def test_standalone_store_engines_lend_no_segment():
+    objects = chart.template(sets={"engine.mooncake.mode": '"standalone-store"'})
+    config = json.loads(chart.one(objects, "ConfigMap", "-engine")["data"]["mooncake.json"])
+    assert config["mode"] == "standalone-store" and config["global_segment_size"] == 0
+    default = json.loads(chart.one(chart.template(), "ConfigMap", "-engine")["data"]["mooncake.json"])
+    assert default["mode"] == "embedded" and default["global_segment_size"] == "4GB"
+
+
+# -- RDMA -------------------------------------------------------------------------------------------------------------
+
+def test_rdma_pods_get_the_device_plugin_resource_and_ipc_lock_not_a_host_path():
+    objects = chart.template([chart.ci_value_sets()["pipelined"]], sets={"store.enabled": "true",
+                                                                          "store.protocol": '"rdma"'})
+    for suffix in ("-engine", "-store"):
+        spec = pod_spec(objects, "Deployment", suffix)
+        (c,) = spec["containers"]
+        for part in ("requests", "limits"):
+            assert c["resources"][part]["rdma/hca_shared_devices_a"] == 1, (suffix, part)
+        assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"], suffix
+        assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+        assert "hostNetwork" not in spec
+        assert not [v for v in spec.get("volumes", []) if "hostPath" in v], suffix
+    # The master does no RDMA; TCP pods get none of it.
+    assert "add" not in container(objects, suffix="-master")["securityContext"]["capabilities"]
+    tcp = container(chart.template())
+    assert "add" not in tcp["securityContext"]["capabilities"] and "rdma/hca_shared_devices_a" not in tcp["resources"][
+        "limits"]
+
+
+def test_no_value_set_mounts_devices_by_host_path():
+    """A hostPath of /dev/infiniband adds no device to the container's device cgroup (what pipelined once did)."""
+    for name, path in chart.ci_value_sets().items():
+        for o in chart.template([path]):
+            if o["kind"] in ("Deployment", "StatefulSet"):
+                volumes = o["spec"]["template"]["spec"].get("volumes", [])
+                assert not [v for v in volumes if v.get("hostPath", {}).get("path", "").startswith("/dev")], name
+
+
+def test_rdma_on_the_host_network_keeps_cluster_dns_and_privileged_drops_the_escalation_guard():
+    objects = chart.template([chart.ci_value_sets()["pipelined"]],
+                             sets={"rdma.hostNetwork": "true", "rdma.privileged": "true", "rdma.resourceName": '""'})
+    spec = pod_spec(objects, "Deployment", "-engine")
+    assert spec["hostNetwork"] is True and spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+    (c,) = spec["containers"]
+    assert c["securityContext"]["privileged"] is True and "allowPrivilegeEscalation" not in c["securityContext"]
+    assert not [k for k in c["resources"]["limits"] if k.startswith("rdma/")]
+    assert "hostNetwork" not in pod_spec(objects, "Deployment", "-master")
+
+
+def test_notes_warn_when_ipc_lock_cannot_reach_a_non_root_engine():
+    notes = chart.render_notes([chart.ci_value_sets()["pipelined"]])
+    assert "WARNING: the engine pods use RDMA with IPC_LOCK but run as uid 1000" in notes
+    assert "WARNING" not in chart.render_notes()  # TCP
+    root = {"engine.podSecurityContext.runAsUser": "0", "engine.podSecurityContext.runAsNonRoot": "false"}
+    assert "WARNING" not in chart.render_notes([chart.ci_value_sets()["pipelined"]], sets=root)

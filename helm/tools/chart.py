@@ -74,7 +74,8 @@ def template(values_files: Iterable[Path | str] = (), sets: dict[str, str] | Non
 
 
 def render_notes(values_files: Iterable[Path | str] = (), release: str = "lookout",
-                 namespace: str = "serving", workdir: Path | None = None) -> str:
+                 namespace: str = "serving", workdir: Path | None = None,
+                 sets: dict[str, str] | None = None) -> str:
     """NOTES.txt as helm would print it. ``helm install --dry-run`` needs a cluster and ``helm template`` skips
     NOTES, so render a copy of the chart in which a ConfigMap carries ``tpl`` of NOTES.txt."""
     import tempfile
@@ -91,6 +92,8 @@ def render_notes(values_files: Iterable[Path | str] = (), release: str = "lookou
                 "--show-only", "templates/notes-as-configmap.yaml"]
         for path in values_files:
             args += ["--values", str(path)]
+        for key, value in (sets or {}).items():
+            args += ["--set-json", f"{key}={value}"]
         text = run_helm(*args)
     return yaml.safe_load(text)["data"]["notes"]
 

@@ -135,6 +135,9 @@ def shape() -> dict[str, Any]:
         model={"type": "string", "minLength": 1},
         servedModelName={"type": "string"},
         port=PORT,
+        tensorParallelSize=positive(1024),
+        pipelineParallelSize=positive(1024),
+        dataParallelSize=positive(1024),
         extraArgs=STRINGS,
         env=LIST,
         hfToken=obj(secretName=K8S_NAME, secretKey={"type": "string", "minLength": 1}),
@@ -146,6 +149,7 @@ def shape() -> dict[str, Any]:
         extraVolumes=LIST,
         extraVolumeMounts=LIST,
         resources=FREE_MAP,
+        memoryHeadroom=QUANTITY,
         shm=obj(enabled={"type": "boolean"},
                 sizeLimit={"type": "string", "pattern": "^[0-9]+(\\.[0-9]+)?([KMGT]i?)?$"}),
         connector=obj(
@@ -161,6 +165,7 @@ def shape() -> dict[str, Any]:
             },
         ),
         mooncake=obj(
+            mode={"type": "string", "enum": ["embedded", "standalone-store"]},
             metadataServer={"type": "string", "minLength": 1},
             protocol={"type": "string", "enum": ["tcp", "rdma"]},
             deviceName={"type": "string"},
@@ -262,6 +267,7 @@ def shape() -> dict[str, Any]:
         extraArgs=STRINGS,
         env=LIST,
         resources=FREE_MAP,
+        memoryHeadroom=QUANTITY,
         strategy=FREE_MAP,
         pdb=pdb("maxUnavailable", 1),
         podSecurityContext=FREE_MAP,
@@ -299,6 +305,12 @@ def shape() -> dict[str, Any]:
             grafana=obj(dashboards=obj(
                 enabled={"type": "boolean"}, label={"type": "string", "minLength": 1}, labelValue={"type": "string"},
                 folder={"type": "string"}, namespace=DNS_LABEL)),
+            rdma=obj(
+                # An extended resource name (domain/name), or empty for none.
+                resourceName={"type": "string", "pattern": "^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*"
+                                                            "[A-Za-z0-9])?)?$", "maxLength": 253},
+                resourceCount=positive(), ipcLock={"type": "boolean"}, hostNetwork={"type": "boolean"},
+                privileged={"type": "boolean"}),
             transferPorts=transfer_ports(),
             networkPolicy=obj(enabled={"type": "boolean"}, monitoringPodSelector=FREE_MAP,
                               storeClients={"type": "boolean"}, engineHttpFrom=LIST, extraEngineIngress=LIST,

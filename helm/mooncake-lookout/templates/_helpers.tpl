@@ -134,11 +134,13 @@ lookup_server_address beyond loopback without CURVE fails here, as the worker wo
 {{- end }}
 
 {{/*
-The Mooncake store client's configuration (vLLM reads it from MOONCAKE_CONFIG_PATH).
+The Mooncake store client's configuration (vLLM reads it from MOONCAKE_CONFIG_PATH). In standalone-store mode the
+ranks lend no segment (vLLM refuses any other size there).
 */}}
 {{- define "lookout.mooncakeConfig" -}}
 {{- $m := .Values.engine.mooncake }}
-{{- dict "metadata_server" $m.metadataServer "master_server_address" (include "lookout.masterAddress" .) "protocol" $m.protocol "device_name" $m.deviceName "global_segment_size" $m.globalSegmentSize "local_buffer_size" $m.localBufferSize | toPrettyJson }}
+{{- $segment := ternary 0 $m.globalSegmentSize (eq $m.mode "standalone-store") }}
+{{- dict "mode" $m.mode "metadata_server" $m.metadataServer "master_server_address" (include "lookout.masterAddress" .) "protocol" $m.protocol "device_name" $m.deviceName "global_segment_size" $segment "local_buffer_size" $m.localBufferSize | toPrettyJson }}
 {{- end }}
 
 {{/*
