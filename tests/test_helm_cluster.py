@@ -189,3 +189,17 @@ def test_notes_warn_when_ipc_lock_cannot_reach_a_non_root_engine():
     assert "WARNING" not in chart.render_notes()  # TCP
     root = {"engine.podSecurityContext.runAsUser": "0", "engine.podSecurityContext.runAsNonRoot": "false"}
     assert "WARNING" not in chart.render_notes([chart.ci_value_sets()["pipelined"]], sets=root)
+
+
+# -- smaller things a cluster refuses -----------------------------------------------------------------------------
+
+def test_no_value_set_asks_for_a_system_priority_class_outside_kube_system():
+    """system-cluster-critical and system-node-critical are often admitted only in kube-system (ci/ha-values.yaml
+    used the first); NOTES warns whoever sets them elsewhere."""
+    for name, path in {"default": None, **chart.ci_value_sets()}.items():
+        for o in chart.template([path] if path else []):
+            if o["kind"] in ("Deployment", "StatefulSet"):
+                assert not o["spec"]["template"]["spec"].get("priorityClassName", "").startswith("system-"), name
+    notes = chart.render_notes(sets={"master.priorityClassName": '"system-cluster-critical"'})
+    assert "WARNING: master.priorityClassName is system-cluster-critical" in notes
+    assert "priorityClassName" not in chart.render_notes([chart.ci_value_sets()["ha"]])

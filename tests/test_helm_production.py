@@ -280,7 +280,7 @@ def test_priority_runtime_class_and_spread_reach_the_pods():
     (spread,) = pod_spec(ha, "Deployment", "-master")["topologySpreadConstraints"]
     assert selects(spread["labelSelector"], pod_labels(ha, "Deployment", "-master"))
     assert not selects(spread["labelSelector"], pod_labels(ha, "Deployment", "-engine"))
-    assert pod_spec(ha, "Deployment", "-master")["priorityClassName"] == "system-cluster-critical"
+    assert pod_spec(ha, "Deployment", "-master")["priorityClassName"] == "mooncake-store"
     plain = pod_spec(render(), "Deployment", "-engine")
     assert not {"priorityClassName", "runtimeClassName", "topologySpreadConstraints"} & set(plain)
 
@@ -305,7 +305,7 @@ def test_network_policy_admits_other_releases_engines_to_master_and_etcd():
     assert extra["networkPolicy"]["extraClients"] == []
     (peer,) = [p for p in _rpc_peers(chart.one(objects, "NetworkPolicy", "-master")) if "namespaceSelector" in p]
     assert peer["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "team-b"}}
-    assert peer["podSelector"] == {"matchLabels": {"app.kubernetes.io/component": "engine"}}
+    assert peer["podSelector"] == {"matchLabels": {"app.kubernetes.io/part-of": "mooncake-lookout"}}
     # Another release's engine pod (different instance label, other namespace) matches that peer.
     other_engine = {**pod_labels(objects, "Deployment", "-engine"), "app.kubernetes.io/instance": "other"}
     assert selects(peer["podSelector"], other_engine)
