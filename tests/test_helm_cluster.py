@@ -203,3 +203,108 @@ def test_no_value_set_asks_for_a_system_priority_class_outside_kube_system():
     notes = chart.render_notes(sets={"master.priorityClassName": '"system-cluster-critical"'})
     assert "WARNING: master.priorityClassName is system-cluster-critical" in notes
     assert "priorityClassName" not in chart.render_notes([chart.ci_value_sets()["ha"]])
+
+
+def test_the_k8s_lease_backend_with_the_default_image_is_refused_naming_the_image():
+    """Its master exits at start (tests/test_ha_failover.py shows it); only the docs said so."""
+    sets = {"master.replicas": "2", "master.ha.enabled": "true", "master.ha.backend": '"k8s"'}
+    with pytest.raises(chart.HelmError, match="master.ha.backend k8s needs a mooncake_master built with Mooncake's "
+                                              "k8s lease support.*master.image.repository ghcr.io/mooncake-lookout"):
+        chart.template(sets=sets)
+    assert chart.template([chart.ci_value_sets()["ha-k8s"]])  # a build of one's own renders
+    template = (chart.CHART / "templates" / "_helpers.tpl").read_text()
+    default = chart.load_values()["master"]["image"]["repository"]
+    assert f'define "lookout.defaultMasterRepository" -}}}}\n{default}\n' in template
+
+
+def test_the_operation_log_is_offered_with_the_etcd_backend_only():
+    objects = chart.template([chart.ci_value_sets()["ha"]], sets={"master.ha.oplog": "true"})
+    assert "--enable_oplog=true" in container(objects, suffix="-master")["args"]
+    assert "--enable_oplog=true" not in container(chart.template([chart.ci_value_sets()["ha"]]),
+                                                  suffix="-master")["args"]
+    with pytest.raises(chart.HelmError, match="master.ha.oplog needs master.ha.backend etcd"):
+        chart.template([chart.ci_value_sets()["ha-k8s"]], sets={"master.ha.oplog": "true"})
+
+
+# -- etcd ---------------------------------------------------------------------------------------------------------------
+
+def test_the_charts_etcd_keeps_its_quorum_through_drains_spreads_and_bounds_its_size():
+    objects = chart.template([chart.ci_value_sets()["ha"]])
+    etcd = chart.one(objects, "StatefulSet", "-etcd")
+    spec = etcd["spec"]["template"]["spec"]
+    args = spec["containers"][0]["args"]
+    assert "--auto-compaction-mode=periodic" in args and "--auto-compaction-retention=10m" in args
+    assert f"--quota-backend-bytes={4 << 30}" in args
+    (spread,) = spec["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname"
+    assert spread["labelSelector"]["matchLabels"].items() <= etcd["spec"]["template"]["metadata"]["labels"].items()
+    pdb = chart.one(objects, "PodDisruptionBudget", "-etcd")["spec"]
+    assert pdb["maxUnavailable"] == 1 and pdb["selector"] == etcd["spec"]["selector"]
+    # One member: no budget (it would block every drain).
+    assert not chart.find(chart.template([chart.ci_value_sets()["ha"]], sets={"master.ha.etcd.replicas": "1"}),
+                          "PodDisruptionBudget", "-etcd")
+    hard = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+        {"topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": {"app.kubernetes.io/component":
+                                                                                    "etcd"}}}]}}
+    objects = chart.template([chart.ci_value_sets()["ha"]], sets={"master.ha.etcd.affinity": json.dumps(hard)})
+    assert pod_spec(objects, "StatefulSet", "-etcd")["affinity"] == hard
+
+
+def test_an_etcd_quota_the_disk_cannot_hold_is_refused():
+    with pytest.raises(chart.HelmError, match="master.ha.etcd.quotaBackendBytes 8Gi must be below "
+                                              "master.ha.etcd.persistence.size 8Gi"):
+        chart.template([chart.ci_value_sets()["ha"]], sets={"master.ha.etcd.quotaBackendBytes": '"8Gi"'})
+    # Without persistence there is no claim to compare with.
+    assert chart.template([chart.ci_value_sets()["ha"]], sets={"master.ha.etcd.quotaBackendBytes": '"8Gi"',
+                                                                "master.ha.etcd.persistence.enabled": "false"})
+
+
+# -- the model cache -----------------------------------------------------------------------------------------------------
+
+def test_the_model_cache_is_not_re_owned_on_every_start():
+    objects = chart.template(sets={"engine.modelCache.enabled": "true"})
+    assert pod_spec(objects, "Deployment", "-engine")["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
+
+
+@pytest.mark.parametrize("sets", [
+    {"engine.replicas": "2"},
+    {"engine.modelCache.accessModes": '["ReadWriteOncePod"]', "engine.replicas": "3"},
+    {"engine.strategy.rollingUpdate.maxSurge": "1"},
+])
+def test_a_one_node_claim_for_more_than_one_engine_pod_is_refused(sets):
+    with pytest.raises(chart.HelmError, match=r"engine.modelCache.accessModes \[ReadWrite.*mount the claim on one "
+                                              r"node.*Set engine.modelCache.accessModes \[ReadWriteMany\]"):
+        chart.template(sets={"engine.modelCache.enabled": "true", **sets})
+
+
+def test_a_shared_claim_or_one_engine_pod_renders():
+    assert chart.template(sets={"engine.modelCache.enabled": "true"})  # one pod, no surge
+    assert chart.template([chart.ci_value_sets()["async-budget"]])  # two pods, ReadWriteMany
+    assert chart.template(sets={"engine.modelCache.enabled": "true", "engine.replicas": "2",
+                                "engine.modelCache.existingClaim": '"models"'})  # its access modes are its own
+
+
+# -- block hashes ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args", [["--prefix-caching-hash-algo", "xxhash"], ["--prefix-caching-hash-algo=xxhash_cbor"]])
+def test_xxhash_block_hashes_without_a_shared_seed_are_refused(args):
+    """vLLM 0.33 draws a random NONE_HASH seed per process for xxhash unless PYTHONHASHSEED is set: engines would
+    never find each other's keys."""
+    with pytest.raises(chart.HelmError, match="--prefix-caching-hash-algo xxhash.*Set engine.hashSeed.secretName"):
+        chart.template(sets={"engine.extraArgs": json.dumps(args)})
+
+
+def test_the_hash_seed_comes_from_a_secret():
+    sets = {"engine.extraArgs": json.dumps(["--prefix-caching-hash-algo", "xxhash"]),
+            "engine.hashSeed.secretName": '"lookout-hash-seed"'}
+    env = {e["name"]: e for e in container(chart.template(sets=sets))["env"]}
+    assert env["PYTHONHASHSEED"]["valueFrom"] == {"secretKeyRef": {"name": "lookout-hash-seed", "key": "seed"}}
+    assert "PYTHONHASHSEED" not in {e["name"] for e in container(chart.template())["env"]}  # sha256: none needed
+    own = {"engine.extraArgs": sets["engine.extraArgs"], "engine.env": '[{"name": "PYTHONHASHSEED", "value": "7"}]'}
+    assert chart.template(sets=own)  # set by hand in engine.env: accepted
+
+
+def test_notes_say_what_a_failover_does_to_the_cache():
+    assert "A failover empties the cache" in chart.render_notes([chart.ci_value_sets()["ha"]])
+    on = chart.render_notes([chart.ci_value_sets()["ha"]], sets={"master.ha.oplog": "true"})
+    assert "a failover keeps the cache" in on and "quota 4Gi" in on

@@ -302,11 +302,25 @@ def established_to(ports: range) -> set[tuple[int, int]]:
     return found
 
 
-def test_a_client_that_lends_nothing_is_never_connected_to(master, monkeypatch):
+@pytest.fixture
+def own_master() -> Iterator[dict[str, int]]:
+    """A master of the test's own, with the chart's flags: the module's master may still list the segments of store
+    pods other tests stopped (until their client TTL), and a put placed there would fail."""
+    rpc_port, metrics_port = free_port(), free_port()
+    proc, _ = start_master(master_args_from_chart(rpc_port, metrics_port))
+    try:
+        yield {"rpc": rpc_port, "metrics": metrics_port}
+    finally:
+        stop(proc)
+        proc.stderr.close()
+
+
+def test_a_client_that_lends_nothing_is_never_connected_to(own_master, monkeypatch):
     """Why a release whose engines lend nothing (engine.mooncake.mode standalone-store) needs no ingress on its
     transfer ports: a store pod (the chart's flags) lends its segment, a client with segment 0 and a local buffer puts
     and gets through it, and no connection ever lands on that client's ports (pinned to a range of their own); every
     connection it has, it opened."""
+    master = own_master
     http_port, port = free_port(), free_port()
     objects = chart.template(sets={"store.enabled": "true", "store.globalSegmentSize": '"64MB"',
                                    "store.localBufferSize": '"0"', "store.httpPort": str(http_port),

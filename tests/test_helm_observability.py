@@ -180,16 +180,64 @@ def test_runbook_base_url_is_swapped_and_nothing_else():
     assert urls
 
 
-def test_dashboard_configmaps_are_byte_identical_to_the_dashboards(default):
-    maps = [o for o in chart.find(default, "ConfigMap") if o["metadata"]["labels"].get("grafana_dashboard") == "1"]
-    by_file = {name: data for o in maps for name, data in o["data"].items()}
-    files = dashboard_files()
-    assert sorted(by_file) == [p.name for p in files]
-    for path in files:
-        assert by_file[path.name].encode() == path.read_bytes(), path.name
-        json.loads(by_file[path.name])
+def dashboards_of(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The rendered dashboards by their file in dashboards/ (the ConfigMap's key ends with it)."""
+    maps = [o for o in chart.find(objects, "ConfigMap") if o["metadata"]["labels"].get("grafana_dashboard") == "1"]
+    out = {}
     for o in maps:
         assert len(o["metadata"]["name"]) <= 63 and len(o["data"]) == 1
+        ((key, text),) = o["data"].items()
+        (path,) = [p for p in dashboard_files() if key.endswith("-" + p.name)]
+        out[path.name] = json.loads(text)
+    return out
+
+
+def test_dashboard_configmaps_are_the_dashboards_with_a_uid_and_title_of_the_release(default):
+    """Everything but uid, title, the links between them and (here, with the monitors on) the variables' starting
+    values is the file as generated; the links follow the new uids."""
+    rendered = dashboards_of(default)
+    files = {p.name: json.loads(p.read_text()) for p in dashboard_files()}
+    assert sorted(rendered) == sorted(files)
+    new_uid = {files[name]["uid"]: rendered[name]["uid"] for name in files}
+    for name, original in files.items():
+        got = rendered[name]
+        assert got["uid"] != original["uid"] and got["uid"].startswith(original["uid"][:20]) and len(got["uid"]) <= 40
+        assert got["title"] == f"{original['title']} (serving/lookout)"
+        for link, old in zip(got["links"], original["links"]):
+            assert link["url"] == f"/d/{new_uid[old['url'].removeprefix('/d/')]}", link
+        same = {k: v for k, v in got.items() if k not in ("uid", "title", "links", "templating")}
+        assert same == {k: v for k, v in original.items() if k not in ("uid", "title", "links", "templating")}
+        for variable, old in zip(got["templating"]["list"], original["templating"]["list"]):
+            assert {k: v for k, v in variable.items() if k != "current"} == {
+                k: v for k, v in old.items() if k != "current"}, variable["name"]
+
+
+def test_two_releases_provision_dashboards_grafana_and_its_sidecar_tell_apart():
+    """Fixed uids made a second release's dashboards duplicates of the first's (and, under the same file name, the
+    sidecar overwrote one with the other)."""
+    first = with_crds()
+    second = chart.template(release="second", namespace="team-b", sets={"monitoring.release": '"kps"'},
+                            api_versions=chart.MONITORING_APIS)
+    keys = [{k for o in chart.find(objects, "ConfigMap") for k in o["data"]
+             if o["metadata"]["labels"].get("grafana_dashboard")} for objects in (first, second)]
+    assert not keys[0] & keys[1]
+    uids = [{d["uid"] for d in dashboards_of(objects).values()} for objects in (first, second)]
+    assert len(uids[0]) == len(uids[1]) == len(dashboard_files()) and not uids[0] & uids[1]
+    titles = [{d["title"] for d in dashboards_of(objects).values()} for objects in (first, second)]
+    assert not titles[0] & titles[1]
+
+
+def test_dashboards_open_on_the_releases_own_jobs_where_its_monitors_render(default):
+    for dashboard in dashboards_of(default).values():
+        current = {v["name"]: v["current"] for v in dashboard["templating"]["list"] if "current" in v}
+        assert current["namespace"]["value"] == ["serving"]
+        assert current["job"]["value"] == ["lookout-mooncake-lookout-engine"]
+        assert current["master_job"]["value"] == ["lookout-mooncake-lookout-master"]
+        assert current["pod"]["value"] == "$__all"
+    # Without the chart's monitors the jobs are someone else's: every variable starts at All.
+    for dashboard in dashboards_of(chart.template()).values():
+        assert {json.dumps(v["current"]["value"]) for v in dashboard["templating"]["list"] if "current" in v} == {
+            '"$__all"'}
 
 
 def test_dashboard_label_folder_and_namespace_follow_values():
@@ -199,6 +247,10 @@ def test_dashboard_label_folder_and_namespace_follow_values():
     for o in maps:
         assert o["metadata"]["namespace"] == "monitoring"
         assert o["metadata"]["annotations"]["grafana_folder"] == "Mooncake"
+    objects = chart.template([chart.ci_value_sets()["pipelined"]],
+                             sets={"grafana.dashboards.folderAnnotation": '"k8s-sidecar-target-directory"'})
+    for o in [o for o in chart.find(objects, "ConfigMap") if "grafana_dashboard" in o["metadata"]["labels"]]:
+        assert o["metadata"]["annotations"] == {"k8s-sidecar-target-directory": "Mooncake"}
     custom = chart.template(sets={"grafana.dashboards.label": '"my_dash"', "grafana.dashboards.labelValue": '"yes"'})
     assert [o for o in chart.find(custom, "ConfigMap") if o["metadata"]["labels"].get("my_dash") == "yes"]
 

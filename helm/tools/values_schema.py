@@ -141,6 +141,7 @@ def shape() -> dict[str, Any]:
         extraArgs=STRINGS,
         env=LIST,
         hfToken=obj(secretName=K8S_NAME, secretKey={"type": "string", "minLength": 1}),
+        hashSeed=obj(secretName=K8S_NAME, secretKey=SECRET_KEY),
         modelCache=obj(
             enabled={"type": "boolean"}, existingClaim=K8S_NAME, size=QUANTITY, storageClassName=K8S_NAME,
             accessModes={"type": "array", "minItems": 1, "uniqueItems": True, "items": {
@@ -205,6 +206,11 @@ def shape() -> dict[str, Any]:
         peerPort=PORT,
         resources=FREE_MAP,
         persistence=obj(enabled={"type": "boolean"}, size=QUANTITY, storageClassName=K8S_NAME),
+        quotaBackendBytes=QUANTITY,
+        autoCompactionRetention={"type": "string", "pattern": "^([0-9]+(\\.[0-9]+)?(ns|us|ms|s|m|h))+$"},
+        pdb=obj(enabled={"type": "boolean"}),
+        topologySpreadConstraints=LIST,
+        affinity=FREE_MAP,
         podSecurityContext=FREE_MAP,
         securityContext=FREE_MAP,
     )
@@ -213,6 +219,7 @@ def shape() -> dict[str, Any]:
     etcd["then"] = {"properties": {"endpoints": {"minItems": 1}}}
     ha = obj(
         enabled={"type": "boolean"},
+        oplog={"type": "boolean"},
         backend={"type": "string", "enum": ["etcd", "k8s"]},
         clusterId={"type": "string", "pattern": "^[A-Za-z0-9_.-]*$", "maxLength": 128},
         etcd=etcd,
@@ -304,7 +311,9 @@ def shape() -> dict[str, Any]:
             ),
             grafana=obj(dashboards=obj(
                 enabled={"type": "boolean"}, label={"type": "string", "minLength": 1}, labelValue={"type": "string"},
-                folder={"type": "string"}, namespace=DNS_LABEL)),
+                folder={"type": "string"},
+                folderAnnotation={"type": "string", "pattern": "^([a-z0-9.-]+/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"},
+                namespace=DNS_LABEL)),
             rdma=obj(
                 # An extended resource name (domain/name), or empty for none.
                 resourceName={"type": "string", "pattern": "^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*"

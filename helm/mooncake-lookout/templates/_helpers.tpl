@@ -296,3 +296,33 @@ preStop of its own. The pause must leave part of the grace period to the shutdow
 {{- end }}
 {{- with $hooks }}{{ toYaml . }}{{ end }}
 {{- end }}
+
+{{/*
+The master image values.yaml names (master.image.repository's default): Mooncake's 0.3.13.post1 PyPI wheels,
+built without the k8s lease backend (tests/test_helm_cluster.py checks it is values.yaml's default).
+*/}}
+{{- define "lookout.defaultMasterRepository" -}}
+ghcr.io/mooncake-lookout/master
+{{- end }}
+
+{{/*
+Fails when engine.extraArgs pick a non-cryptographic block hash (--prefix-caching-hash-algo xxhash or xxhash_cbor)
+and nothing sets PYTHONHASHSEED: vLLM then seeds the hashes at random in each process, and no two engines (nor one
+engine after a restart) compute the same store keys.
+*/}}
+{{- define "lookout.checkHashSeed" -}}
+{{- $e := .Values.engine }}
+{{- $algo := "" }}
+{{- range $i, $arg := $e.extraArgs }}
+{{- if and (eq $arg "--prefix-caching-hash-algo") (lt (add1 $i) (len $e.extraArgs)) }}
+{{- $algo = index $e.extraArgs (add1 $i) }}
+{{- else if hasPrefix "--prefix-caching-hash-algo=" $arg }}
+{{- $algo = trimPrefix "--prefix-caching-hash-algo=" $arg }}
+{{- end }}
+{{- end }}
+{{- $seeded := $e.hashSeed.secretName }}
+{{- range $e.env }}{{ if eq .name "PYTHONHASHSEED" }}{{ $seeded = true }}{{ end }}{{ end }}
+{{- if and (hasPrefix "xxhash" $algo) (not $seeded) }}
+{{- fail (printf "engine.extraArgs sets --prefix-caching-hash-algo %s, which vLLM seeds with a random value in every process unless PYTHONHASHSEED is set: no two engines would compute the same store keys, and the shared cache would never hit. Set engine.hashSeed.secretName to a Secret holding one secret integer (0 to 4294967295) that every engine sharing the store uses, e.g. kubectl create secret generic lookout-hash-seed --from-literal=seed=$(shuf -i 1-4294967295 -n 1)" $algo) }}
+{{- end }}
+{{- end }}
