@@ -41,6 +41,7 @@ from typing import Any
 
 import pytest
 
+import failover_doc  # helm/tools/failover_doc.py
 from mooncake_lookout.connector.client import LookupClient
 from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.events import Outcome, OutcomeCounter
@@ -52,7 +53,6 @@ from mooncake_lookout.connector.server.store import open_writer_store
 from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
 
 import chart  # helm/tools/chart.py (conftest puts helm/tools on sys.path)
-import failover_doc  # helm/tools/failover_doc.py
 
 BLOCK = 16
 BLOCKS = 4

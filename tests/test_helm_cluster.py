@@ -21,7 +21,7 @@ def container(objects: list[dict[str, Any]], kind: str = "Deployment", suffix: s
     return only
 
 
-# -- probes and shutdown -------------------------------------------------------------------------------------------
+# -- probes and shutdown ---------------------------------------------------------------------------------------------
 
 def test_engine_probes_allow_a_loaded_engine_five_seconds_and_a_prestop_pause_covers_endpoint_removal():
     values = chart.load_values()["engine"]
@@ -56,7 +56,7 @@ def test_a_probe_timeout_must_be_a_positive_number_of_seconds(key):
         chart.template(sets={key: "0"})
 
 
-# -- memory ---------------------------------------------------------------------------------------------------------
+# -- memory ----------------------------------------------------------------------------------------------------------
 
 GIB = 1 << 30
 
@@ -120,8 +120,9 @@ def test_parallel_sizes_are_values_the_check_can_see_and_need_their_gpus():
         message = memory_message({"engine.extraArgs": json.dumps([flag, "2"])})
         assert "engine.extraArgs sets" in message and "instead" in message, message
     assert "vLLM needs a GPU per rank" in memory_message({"engine.pipelineParallelSize": "2"})
+    limits = '{"memory": "64Gi", "nvidia.com/gpu": 4}'
     args = container(chart.template(sets={"engine.pipelineParallelSize": "2", "engine.dataParallelSize": "2",
-                                          "engine.resources.limits": '{"memory": "64Gi", "nvidia.com/gpu": 4}'}))["args"]
+                                          "engine.resources.limits": limits}))["args"]
     assert args[args.index("--pipeline-parallel-size") + 1] == "2" and "--tensor-parallel-size" not in args
     assert args[args.index("--data-parallel-size") + 1] == "2"
 
@@ -142,7 +143,7 @@ def test_standalone_store_engines_lend_no_segment():
     assert default["mode"] == "embedded" and default["global_segment_size"] == "4GB"
 
 
-# -- RDMA -------------------------------------------------------------------------------------------------------------
+# -- RDMA ------------------------------------------------------------------------------------------------------------
 
 def test_rdma_pods_get_the_device_plugin_resource_and_ipc_lock_not_a_host_path():
     objects = chart.template([chart.ci_value_sets()["pipelined"]], sets={"store.enabled": "true",
@@ -191,7 +192,7 @@ def test_notes_warn_when_ipc_lock_cannot_reach_a_non_root_engine():
     assert "WARNING" not in chart.render_notes([chart.ci_value_sets()["pipelined"]], sets=root)
 
 
-# -- smaller things a cluster refuses -----------------------------------------------------------------------------
+# -- smaller things a cluster refuses --------------------------------------------------------------------------------
 
 def test_no_value_set_asks_for_a_system_priority_class_outside_kube_system():
     """system-cluster-critical and system-node-critical are often admitted only in kube-system (ci/ha-values.yaml
@@ -226,7 +227,7 @@ def test_the_operation_log_is_offered_with_the_etcd_backend_only():
         chart.template([chart.ci_value_sets()["ha-k8s"]], sets={"master.ha.oplog": "true"})
 
 
-# -- etcd ---------------------------------------------------------------------------------------------------------------
+# -- etcd ------------------------------------------------------------------------------------------------------------
 
 def test_the_charts_etcd_keeps_its_quorum_through_drains_spreads_and_bounds_its_size():
     objects = chart.template([chart.ci_value_sets()["ha"]])
@@ -259,7 +260,7 @@ def test_an_etcd_quota_the_disk_cannot_hold_is_refused():
                                                                 "master.ha.etcd.persistence.enabled": "false"})
 
 
-# -- the model cache -----------------------------------------------------------------------------------------------------
+# -- the model cache -------------------------------------------------------------------------------------------------
 
 def test_the_model_cache_is_not_re_owned_on_every_start():
     objects = chart.template(sets={"engine.modelCache.enabled": "true"})
@@ -284,7 +285,7 @@ def test_a_shared_claim_or_one_engine_pod_renders():
                                 "engine.modelCache.existingClaim": '"models"'})  # its access modes are its own
 
 
-# -- block hashes ------------------------------------------------------------------------------------------------------
+# -- block hashes ----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("args", [["--prefix-caching-hash-algo", "xxhash"], ["--prefix-caching-hash-algo=xxhash_cbor"]])
 def test_xxhash_block_hashes_without_a_shared_seed_are_refused(args):

@@ -21,6 +21,7 @@ import urllib.request
 from collections.abc import Iterator
 from http.server import ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -263,15 +264,21 @@ def master_capacity(metrics_port: int) -> int:
     return int(float(next(x.split()[1] for x in text.splitlines() if x.startswith("master_total_capacity_bytes"))))
 
 
-def test_the_charts_store_pod_lends_its_segment_to_the_master(master):
-    """A store pod's rendered flags (master address, segment, P2P handshake) mount its memory on a real master."""
-    http_port, port = free_port(), free_port()
+def store_pod(master: dict[str, int], http_port: int, port: int) -> tuple[dict[str, Any], list[str]]:
+    """A store pod's container as the chart renders it (a 64 MB segment), and its args moved to loopback and this
+    master."""
     objects = chart.template(sets={"store.enabled": "true", "store.globalSegmentSize": '"64MB"',
                                    "store.localBufferSize": '"0"', "store.httpPort": str(http_port),
                                    "store.port": str(port), "master.rpcPort": str(master["rpc"])})
     (c,) = chart.one(objects, "Deployment", "-store")["spec"]["template"]["spec"]["containers"]
     rendered = json.loads(chart.one(objects, "ConfigMap", "-engine")["data"]["mooncake.json"])["master_server_address"]
-    args = [a.replace("$(POD_IP)", "127.0.0.1").replace(rendered, f"127.0.0.1:{master['rpc']}") for a in c["args"]]
+    return c, [a.replace("$(POD_IP)", "127.0.0.1").replace(rendered, f"127.0.0.1:{master['rpc']}") for a in c["args"]]
+
+
+def test_the_charts_store_pod_lends_its_segment_to_the_master(master):
+    """A store pod's rendered flags (master address, segment, P2P handshake) mount its memory on a real master."""
+    http_port, port = free_port(), free_port()
+    c, args = store_pod(master, http_port, port)
     assert f"--master_server_address=127.0.0.1:{master['rpc']}" in args  # the engines' address, moved here
     binary = Path(master_binary()).with_name(c["command"][0])
     before = master_capacity(master["metrics"])
@@ -321,13 +328,8 @@ def test_a_client_that_lends_nothing_is_never_connected_to(own_master, monkeypat
     and gets through it, and no connection ever lands on that client's ports (pinned to a range of their own); every
     connection it has, it opened."""
     master = own_master
-    http_port, port = free_port(), free_port()
-    objects = chart.template(sets={"store.enabled": "true", "store.globalSegmentSize": '"64MB"',
-                                   "store.localBufferSize": '"0"', "store.httpPort": str(http_port),
-                                   "store.port": str(port), "master.rpcPort": str(master["rpc"])})
-    (c,) = chart.one(objects, "Deployment", "-store")["spec"]["template"]["spec"]["containers"]
-    rendered = json.loads(chart.one(objects, "ConfigMap", "-engine")["data"]["mooncake.json"])["master_server_address"]
-    args = [a.replace("$(POD_IP)", "127.0.0.1").replace(rendered, f"127.0.0.1:{master['rpc']}") for a in c["args"]]
+    port = free_port()
+    _, args = store_pod(master, free_port(), port)
     before = master_capacity(master["metrics"])
     lender = subprocess.Popen([str(Path(master_binary()).with_name("mooncake_client")), *args],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,

@@ -241,7 +241,8 @@ def test_model_cache_pvc_is_created_kept_and_mounted_at_hf_home():
 def test_extra_volumes_and_mounts_reach_the_engine():
     volume = {"name": "templates", "configMap": {"name": "chat-templates"}}
     mount = {"name": "templates", "mountPath": "/templates", "readOnly": True}
-    objects = render(sets={"engine.extraVolumes": json.dumps([volume]), "engine.extraVolumeMounts": json.dumps([mount])})
+    objects = render(sets={"engine.extraVolumes": json.dumps([volume]),
+                           "engine.extraVolumeMounts": json.dumps([mount])})
     assert volume in pod_spec(objects, "Deployment", "-engine")["volumes"]
     assert mount in container(objects, "Deployment", "-engine")["volumeMounts"]
 

@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 
-import chart  # helm/tools/chart.py (conftest puts helm/tools on sys.path)
 import netpol  # helm/tools/netpol.py
+
+import chart  # helm/tools/chart.py (conftest puts helm/tools on sys.path)
 
 RELEASES = {"lookout": ("store", "ha"), "model-b": ("team-b", "external-ha-master"),
             "model-c": ("team-b", "shared-store-lender")}

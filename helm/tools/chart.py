@@ -120,6 +120,5 @@ def load_values() -> dict[str, Any]:
     return yaml.safe_load((CHART / "values.yaml").read_text())
 
 
-__all__ = ["CHART", "CI_VALUES", "MONITORING_APIS", "MONITORING_GROUP", "MONITORING_KINDS", "ROOT", "HelmError", "ci_value_sets", "find", "helm_binary",
-           "load_values", "one",
-           "render_notes", "run_helm", "template"]
+__all__ = ["CHART", "CI_VALUES", "MONITORING_APIS", "MONITORING_GROUP", "MONITORING_KINDS", "ROOT", "HelmError",
+           "ci_value_sets", "find", "helm_binary", "load_values", "one", "render_notes", "run_helm", "template"]

@@ -68,6 +68,7 @@ HOST_PORT = {"type": "string", "pattern": "^[^:/;\\s]+:[0-9]{1,5}$"}
 MASTER_ADDRESS = {"type": "string",
                   "pattern": "^(([^:/;\\s]+:[0-9]{1,5})|(etcd://[^:/;\\s]+:[0-9]{1,5}(;[^:/;\\s]+:[0-9]{1,5})*))?$"}
 QUANTITY = {"type": "string", "pattern": "^[0-9]+(\\.[0-9]+)?([KMGTPE]i?)?$"}
+EXTENDED_RESOURCE = "^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$"  # e.g. rdma/hca
 # The Prometheus Operator's ScrapeProtocol enum (monitoring.coreos.com/v1, spelled as its CRD spells it).
 SCRAPE_PROTOCOLS = {"type": "array", "uniqueItems": True, "items": {"type": "string", "enum": [
     "PrometheusText0.0.4", "PrometheusText1.0.0", "OpenMetricsText0.0.1", "OpenMetricsText1.0.0", "PrometheusProto"]}}
@@ -312,12 +313,12 @@ def shape() -> dict[str, Any]:
             grafana=obj(dashboards=obj(
                 enabled={"type": "boolean"}, label={"type": "string", "minLength": 1}, labelValue={"type": "string"},
                 folder={"type": "string"},
-                folderAnnotation={"type": "string", "pattern": "^([a-z0-9.-]+/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"},
+                folderAnnotation={"type": "string",
+                                  "pattern": "^([a-z0-9.-]+/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"},
                 namespace=DNS_LABEL)),
             rdma=obj(
                 # An extended resource name (domain/name), or empty for none.
-                resourceName={"type": "string", "pattern": "^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*"
-                                                            "[A-Za-z0-9])?)?$", "maxLength": 253},
+                resourceName={"type": "string", "maxLength": 253, "pattern": EXTENDED_RESOURCE},
                 resourceCount=positive(), ipcLock={"type": "boolean"}, hostNetwork={"type": "boolean"},
                 privileged={"type": "boolean"}),
             transferPorts=transfer_ports(),
