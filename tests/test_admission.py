@@ -28,6 +28,7 @@ from mooncake_lookout.connector.rigs.workload import unique_hashes
 from mooncake_lookout.connector.server import LookupServer, ServerObserver, intake
 from mooncake_lookout.connector.server.admission import RESET_REFUSED, Admission
 from mooncake_lookout.connector.server.limits import LOOKUP_OVERHEAD_BYTES, Limits
+from mooncake_lookout.connector.server.pacing import RELEASED_PER_TURN
 from mooncake_lookout.connector.server.prefix_index import PrefixIndex
 from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
 from mooncake_lookout.connector.wire import pipelined as p
@@ -159,6 +160,34 @@ def test_at_its_bound_a_peer_costs_only_a_header_read() -> None:
     assert req is not None and (req.status, req.reply, req.envelope) == ("busy", upstream_wire.RESP_ERR, [b"A", b""])
     junk = admission.take_in([b"A", b"junk", b""])  # not a lookup: refused as malformed, as from anyone
     assert junk is not None and junk.status == p.BAD_REQUEST
+
+
+def test_a_peer_past_its_bound_is_paced_and_the_others_are_not() -> None:
+    """Its busy replies are held and sent a few per turn of its; its turns wait while others are answered at once."""
+    admission = Admission(limits=Limits(max_peer_lookups=32, share_keys=32))  # one 16-lookup frame of 2 keys a turn
+    for i in range(1, 3):
+        assert admission.take_in(frame(b"flood", i, 16)) is None
+    held = [admission.take_in(frame(b"flood", i, 16)) for i in range(3, 3 + RELEASED_PER_TURN + 2)]
+    assert all(r is not None and r.status == p.BUSY and r.later for r in held), "busy replies go later"
+    assert admission.ready(0.0) and admission.flood_turn(0.0)  # its first turn is due at once
+    released = admission.pacer.release()
+    assert released == held[:RELEASED_PER_TURN], "the oldest first, a few per turn"
+    assert turn(admission) == [[1]]
+    admission.pacer.turn_took(0.002, now=10.0)  # that turn took 2 ms: the next comes 6 ms later (a quarter)
+    assert not admission.ready(10.001) and admission.wait_s(10.001) == pytest.approx(0.005)
+    assert admission.take_in(frame(b"other", 50, 1)) is None  # another peer: answered now, the flood waits
+    assert admission.ready(10.001) and not admission.flood_turn(10.001)
+    assert [ids(batch) for batch in admission.take(flood=False)] == [[50]]
+    assert not admission.ready(10.006 - 1e-4) and admission.ready(10.006) and admission.flood_turn(10.006)
+    assert admission.pacer.release() == held[RELEASED_PER_TURN:] and not admission.pacer
+    assert turn(admission) == [[2]] and not admission
+
+
+def test_a_peer_turned_away_by_the_total_bound_is_not_paced() -> None:
+    admission = Admission(limits=Limits(max_peer_lookups=32, max_total_lookups=32))
+    assert admission.take_in(frame(b"A", 1, 32)) is None
+    busy = admission.take_in(frame(b"B", 2, 1))  # all peers at their bound together: B is not flooding
+    assert busy is not None and busy.status == p.BUSY and not busy.later and not admission.pacer
 
 
 def test_a_flood_is_answered_share_by_share_after_the_light_peers() -> None:

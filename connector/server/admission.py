@@ -36,6 +36,7 @@ import zmq
 from mooncake_lookout.connector.logs import RateLimit
 from mooncake_lookout.connector.server import intake
 from mooncake_lookout.connector.server.limits import DEFAULT_LIMITS, Limits, Waiting, frame_bytes
+from mooncake_lookout.connector.server.pacing import Pacer
 from mooncake_lookout.connector.wire import pipelined as protocol
 from mooncake_lookout.connector.wire import upstream as upstream_wire
 from mooncake_lookout.metrics.catalogue import SERVER_REFUSED as REFUSED
@@ -92,10 +93,27 @@ class Admission:
         self._waiting: dict[bytes, Waiting] = {}  # per peer with something queued
         self._resets: collections.deque[tuple[int, intake.Reset]] = collections.deque()
         self._log_limit = RateLimit(10.0)
+        self.pacer = Pacer()  # held busy replies of the peers past a bound, and when their turn is due
 
     def __bool__(self) -> bool:
         """True while something waits to be answered."""
-        return bool(self._queues or self._resets)
+        return bool(self._queues or self._resets or self.pacer)
+
+    def ready(self, now: float) -> bool:
+        """Something may be answered now: a reset, a peer's lookups, or the flooding peers' due turn."""
+        pacer = self.pacer
+        return (bool(self._resets) or any(not pacer.flooding(peer) for peer in self._queues)
+                or (bool(pacer) and pacer.due(now)))
+
+    def wait_s(self, now: float) -> float | None:
+        """Seconds until something may be answered (0: now); None when nothing waits."""
+        if self.ready(now):
+            return 0.0
+        return self.pacer.wait_s(now) if self.pacer else None
+
+    def flood_turn(self, now: float) -> bool:
+        """This turn serves the flooding peers (their held replies and shares): due, or a reset waits for them."""
+        return bool(self.pacer) and (bool(self._resets) or self.pacer.due(now))
 
     @property
     def depth(self) -> int:
@@ -120,7 +138,7 @@ class Admission:
         if full is not None:
             refusal = self._refuse_unread(frames, full)
             if refusal is not None:
-                return refusal
+                return self._paced(peer, refusal, full)
         item = intake.parse(frames)
         if isinstance(item, intake.Refusal):
             return item
@@ -134,7 +152,8 @@ class Admission:
         nbytes = frame_bytes(raw, n)
         over = self._over(waiting, n, keys, nbytes)
         if over is not None:
-            return self._turn_away(item.envelope, item.frame_id if isinstance(item, intake.Frame) else None, n, over)
+            frame_id = item.frame_id if isinstance(item, intake.Frame) else None
+            return self._paced(peer, self._turn_away(item.envelope, frame_id, n, over), over)
         if waiting is _NOTHING:
             waiting = self._waiting[peer] = Waiting()
             self._queues[peer] = collections.deque()
@@ -192,6 +211,11 @@ class Admission:
             return intake.Refusal(envelope, upstream_wire.RESP_ERR, status, count)
         return intake.Refusal(envelope, protocol.encode_status(frame_id, status, over.reason()), status, count)
 
+    def _paced(self, peer: bytes, refusal: intake.Refusal, over: Over) -> intake.Refusal:
+        """A ``busy`` reply to a peer past a bound of its own is held for its next turn, if the pacer has room."""
+        refusal.later = refusal.status == protocol.BUSY and over.scope == "peer" and self.pacer.hold(peer, refusal)
+        return refusal
+
     def _refuse_reset(self, item: intake.Reset) -> intake.Refusal:
         if self._log_limit.allow(time.monotonic()):
             logger.warning("%s (a reset from an unauthenticated peer)", RESET_REFUSED)
@@ -201,9 +225,10 @@ class Admission:
                                                                     RESET_REFUSED), REFUSED)
 
     # -- handing out -------------------------------------------------------------------------------------------
-    def take(self) -> list[list[intake.Work]]:
+    def take(self, flood: bool = True) -> list[list[intake.Work]]:
         """This turn's batches, each answered with one store call, in order: the lookups of peers whose whole wait
-        fits in the turn, then the shares of peers with a backlog (each in arrival order); or one reset alone."""
+        fits in the turn, then the shares of peers with a backlog (each in arrival order); or one reset alone.
+        Without ``flood`` (:meth:`flood_turn`), the flooding peers' lookups wait for their turn."""
         fence = self._resets[0][0] if self._resets else None
         if fence is not None and all(queue[0][0] > fence for queue in self._queues.values()):
             return [[self._resets.popleft()[1]]]
@@ -211,6 +236,8 @@ class Admission:
         light: list[_Queued] = []
         heavy: list[_Queued] = []
         for peer in list(self._queues):
+            if not flood and self.pacer.flooding(peer):
+                continue
             queue = self._queues[peer]
             taken: list[_Queued] = []
             keys = lookups = nbytes = 0

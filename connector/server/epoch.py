@@ -16,7 +16,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
@@ -116,4 +116,20 @@ def ask_with_marker(marker: EpochMarker | None, lookup_many: Callable[..., Seque
     return results, confirmed
 
 
-__all__ = ["EpochMarker", "MarkerStore", "Query", "RETRY_S", "ask_with_marker"]
+def chunks(queries: Sequence[Query], max_hashes: int) -> Iterator[list[Query]]:
+    """``queries`` split so no store call asks more than ``max_hashes`` keys (one lookup per call at least): each
+    chunk is one :func:`ask_with_marker`, whose marker code vouches for that chunk alone."""
+    chunk: list[Query] = []
+    hashes = 0
+    for q in queries:
+        asked = len(q[1]) - q[2]
+        if chunk and hashes + asked > max_hashes:
+            yield chunk
+            chunk, hashes = [], 0
+        chunk.append(q)
+        hashes += asked
+    if chunk:
+        yield chunk
+
+
+__all__ = ["EpochMarker", "MarkerStore", "Query", "RETRY_S", "ask_with_marker", "chunks"]

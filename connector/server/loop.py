@@ -14,10 +14,11 @@ malformed frame. This server
   keeps serving;
 * fences ``reset``: lookups received before it are answered first, lookups received after it wait until
   it is done (frames are handled in arrival order), so no lookup straddles a wipe;
-* decides who gets what (:mod:`.admission`): a bound on each peer's waiting lookups (``busy`` past it), a
-  share of each store call per peer (a flood is spread over turns), and ``reset`` only where a peer may wipe the store
-  (IPC, or CURVE: every peer authenticated). With ``curve`` the socket is a CURVE server and pyzmq's ZAP
-  handler (:mod:`.auth`) admits only the allowed client keys.
+* decides who gets what (:mod:`.admission`): bounds on what waits, per peer and in all, in lookups, keys and
+  bytes (``busy`` past one), a share of each store call per peer (a flood is spread over turns), paced turns
+  for peers past a bound (:mod:`.pacing`), and ``reset`` only where a peer may wipe the store (IPC, or CURVE:
+  every peer authenticated). With ``curve`` the socket is a CURVE server and pyzmq's ZAP handler
+  (:mod:`.auth`) admits only the allowed client keys.
 
 Threads: the loop's thread owns the socket. ``close()`` from any thread sets a flag and wakes the loop,
 which closes its own socket. Observers are called on the loop's thread.
@@ -26,6 +27,7 @@ which closes its own socket. Observers are called on the loop's thread.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -41,7 +43,7 @@ from mooncake_lookout.connector.logs import RateLimit
 from mooncake_lookout.connector.server import intake, listen
 from mooncake_lookout.connector.server.admission import Admission
 from mooncake_lookout.connector.server.backend import LookupBackend, as_result, failed, failure_reason
-from mooncake_lookout.connector.server.epoch import EpochMarker, MarkerStore, ask_with_marker
+from mooncake_lookout.connector.server.epoch import EpochMarker, MarkerStore, ask_with_marker, chunks
 from mooncake_lookout.connector.server.epoch import Query as _Query
 from mooncake_lookout.connector.server.lease import LeaseProbe
 from mooncake_lookout.connector.server.limits import DEFAULT_LIMITS, Limits
@@ -199,24 +201,40 @@ class LookupServer:
         admission = self._admission
         while not self._stop:
             try:
-                events = dict(poller.poll(0 if admission else 1000))  # work left over: answer it, then look again
+                wait = admission.wait_s(time.perf_counter())  # work ready: answer it, then look again
+                events = dict(poller.poll(1000 if wait is None else math.ceil(wait * 1000)))
                 if waker.fd in events:
                     waker.clear()
                 if self._stop:
                     break
                 if sock in events:
                     self._receive()
-                if admission:
-                    for batch in admission.take():
-                        self._answer(batch)
-                    self._report_waiting()
+                now = time.perf_counter()
+                if admission.ready(now):
+                    self._turn(now)
             except Exception:  # one bad frame or reply must not stop the server
                 logger.exception("lookup server loop failed")
         # Closing: what is already queued gets an error reply at once, not a client-side timeout.
         self._receive()
+        for refusal in admission.pacer.drain():
+            self._reply(refusal)
         for item in admission.drain():
             self._refuse(item, "lookup server shutting down")
         sock.close(linger=0)
+
+    def _turn(self, now: float) -> None:
+        """Answer what may be answered: the flooding peers' held replies and shares only when their turn is due."""
+        admission = self._admission
+        flood = admission.flood_turn(now)
+        if flood:
+            for refusal in admission.pacer.release():
+                self._reply(refusal)
+        for batch in admission.take(flood):
+            self._answer(batch)
+        if flood:
+            end = time.perf_counter()
+            admission.pacer.turn_took(end - now, end)
+        self._report_waiting()
 
     def _receive(self) -> None:
         """Take in every frame that is ready (up to :data:`RECV_BURST`, or :data:`BUSY_BURST` turned away busy)."""
@@ -234,8 +252,8 @@ class LookupServer:
                 break
             refusal = admission.take_in(frames)
             if refusal is not None:
-                self._observe.answered(refusal.status, refusal.count)
-                self._send(refusal.envelope, refusal.reply)
+                if not refusal.later:
+                    self._reply(refusal)
                 if refusal.status == protocol.BUSY:
                     busy += 1
                     if busy >= BUSY_BURST:
@@ -271,7 +289,7 @@ class LookupServer:
             return
         results: list[Any] = []
         epochs: list[int] = []  # per query: the epoch its store call vouched for (0: none)
-        for chunk in self._chunks(queries):
+        for chunk in chunks(queries, self.max_batch_hashes):
             answers, epoch = self._call_store(chunk)
             results.extend(answers)
             epochs.extend([epoch] * len(chunk))
@@ -301,20 +319,6 @@ class LookupServer:
     def epoch(self) -> int:
         """The store's epoch as this server last saw it (0: no marker kept, clients must not cache)."""
         return self._marker.epoch if self._marker is not None else 0
-
-    def _chunks(self, queries: list[_Query]) -> Iterable[list[_Query]]:
-        """Split ``queries`` so no store call asks more than ``max_batch_hashes`` keys (one per lookup at least)."""
-        chunk: list[_Query] = []
-        hashes = 0
-        for q in queries:
-            asked = len(q[1]) - q[2]
-            if chunk and hashes + asked > self.max_batch_hashes:
-                yield chunk
-                chunk, hashes = [], 0
-            chunk.append(q)
-            hashes += asked
-        if chunk:
-            yield chunk
 
     def _call_store(self, queries: list[_Query]) -> tuple[list[Any], int]:
         """One store call for ``queries`` (or one per query, for a backend without ``lookup_many``), asking
@@ -365,6 +369,10 @@ class LookupServer:
             self._send(item.envelope, protocol.encode_status(item.frame_id, protocol.ERROR, failure_reason(outcome)))
         else:
             self._send(item.envelope, protocol.encode_status(item.frame_id, protocol.OK, epoch=self.epoch))
+
+    def _reply(self, refusal: intake.Refusal) -> None:
+        self._observe.answered(refusal.status, refusal.count)
+        self._send(refusal.envelope, refusal.reply)
 
     def _refuse(self, item: intake.Work, reason: str) -> None:
         """Answer ``item`` with an error without asking the store."""
