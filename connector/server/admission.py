@@ -39,6 +39,7 @@ from mooncake_lookout.connector.server.limits import DEFAULT_LIMITS, Limits, Wai
 from mooncake_lookout.connector.server.pacing import Pacer
 from mooncake_lookout.connector.wire import pipelined as protocol
 from mooncake_lookout.connector.wire import upstream as upstream_wire
+from mooncake_lookout.metrics.catalogue import SERVER_BOUND_MEASURES
 from mooncake_lookout.metrics.catalogue import SERVER_REFUSED as REFUSED
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,8 @@ class Admission:
 
     def __init__(self, *, limits: Limits = DEFAULT_LIMITS, resets_allowed: bool = True, curve: bool = False) -> None:
         self.limits = limits
+        self._peer_bounds = tuple(limits.bound("peer", m) for m in SERVER_BOUND_MEASURES)  # lookups, keys, bytes
+        self._total_bounds = tuple(limits.bound("total", m) for m in SERVER_BOUND_MEASURES)
         self.resets_allowed = resets_allowed
         self.curve = curve
         self.total = Waiting()  # every peer's
@@ -132,7 +135,7 @@ class Admission:
         else:
             frames = message
             peer = frames[0]
-        raw = sum(len(f) for f in frames)
+        raw = sum(map(len, frames))
         waiting = self._waiting.get(peer, _NOTHING)
         full = self._full(waiting, raw)
         if full is not None:
@@ -164,24 +167,34 @@ class Admission:
 
     def _full(self, waiting: Waiting, raw: int) -> Over | None:
         """Before decoding: a bound the peer (or all peers) is at, or that this message's bytes alone would pass."""
-        limits, total = self.limits, self.total
+        (lookups, keys, nbytes), total = self._peer_bounds, self.total
+        all_lookups, all_keys, all_bytes = self._total_bounds
+        if (waiting.lookups < lookups and waiting.keys < keys and waiting.bytes + raw <= nbytes
+                and total.lookups < all_lookups and total.keys < all_keys and total.bytes + raw <= all_bytes):
+            return None  # the common case, in plain comparisons: this runs for every message
         for scope, w in (("peer", waiting), ("total", total)):
-            if w.lookups >= limits.bound(scope, "lookups"):
-                return Over(scope, "lookups", w.lookups, 1, limits.bound(scope, "lookups"))
-            if w.keys >= limits.bound(scope, "keys"):
-                return Over(scope, "keys", w.keys, 1, limits.bound(scope, "keys"))
-            if w.bytes + raw > limits.bound(scope, "bytes"):
-                return Over(scope, "bytes", w.bytes, raw, limits.bound(scope, "bytes"))
+            bound = self.limits.bound
+            if w.lookups >= bound(scope, "lookups"):
+                return Over(scope, "lookups", w.lookups, 1, bound(scope, "lookups"))
+            if w.keys >= bound(scope, "keys"):
+                return Over(scope, "keys", w.keys, 1, bound(scope, "keys"))
+            if w.bytes + raw > bound(scope, "bytes"):
+                return Over(scope, "bytes", w.bytes, raw, bound(scope, "bytes"))
         return None
 
     def _over(self, waiting: Waiting, lookups: int, keys: int, nbytes: int) -> Over | None:
         """A bound this frame would pass (one it passes on its own first), or None: it may wait."""
-        limits = self.limits
+        peer, total = self._peer_bounds, self._total_bounds
+        everyone = self.total
+        if (waiting.lookups + lookups <= peer[0] and waiting.keys + keys <= peer[1]
+                and waiting.bytes + nbytes <= peer[2] and everyone.lookups + lookups <= total[0]
+                and everyone.keys + keys <= total[1] and everyone.bytes + nbytes <= total[2]):
+            return None  # the common case, in plain comparisons
         adding = {"lookups": lookups, "keys": keys, "bytes": nbytes}
         found: Over | None = None
         for scope, w in (("peer", waiting), ("total", self.total)):
             for measure, value in adding.items():
-                bound = limits.bound(scope, measure)
+                bound = self.limits.bound(scope, measure)
                 if value > bound:
                     return Over(scope, measure, w.get(measure), value, bound)
                 if found is None and w.get(measure) + value > bound:
