@@ -20,11 +20,13 @@ bench: setup
 generate: setup
 	$(PY) dashboards/generate.py
 	$(PY) helm/tools/values_schema.py
+	$(PY) helm/tools/failover_doc.py
 	$(PY) -m mooncake_lookout.connector.cli.docs
 
 check-generated: setup
 	$(PY) dashboards/generate.py --check
 	$(PY) helm/tools/values_schema.py --check
+	$(PY) helm/tools/failover_doc.py --check
 	$(PY) -m mooncake_lookout.connector.cli.docs --check
 	promtool check rules dashboards/alerts.rules.yaml
 	promtool test rules dashboards/alerts.test.yaml

@@ -146,7 +146,21 @@ def _server(p: Panels) -> list[Any]:
         p.timeseries("Store errors per second", "Store calls that failed or returned error codes (the lookups "
                      "answer 'error', never a silent miss).",
                      [Query(q.counter_rate(c.SERVER_STORE_ERRORS, BY_INSTANCE), "{{instance}}")], "ops"),
+        p.timeseries("Server memory waiting", "Bytes the lookup server holds for lookups not yet answered, and its "
+                     "bounds (all peers, one peer): past one, frames are answered busy.",
+                     [Query(q.gauge(c.SERVER_WAITING_BYTES.name, "sum", BY_INSTANCE), "waiting {{instance}}"),
+                      *_bounds("bytes")], "bytes"),
+        p.timeseries("Server keys waiting", "Store keys of the lookups the server has not answered yet, and its "
+                     "bounds (all peers, one peer).",
+                     [Query(q.gauge(c.SERVER_WAITING_KEYS.name, "sum", BY_INSTANCE), "waiting {{instance}}"),
+                      *_bounds("keys")], "none"),
     ]
+
+
+def _bounds(measure: str) -> list[Query]:
+    """The server's bounds on ``measure`` (``server_bounds``), all peers and one peer, per instance."""
+    return [Query(q.gauge(c.SERVER_BOUNDS.name, "max", BY_INSTANCE, extra=[f'scope="{scope}"', f'measure="{measure}"']),
+                  f"bound, {who} {{{{instance}}}}") for scope, who in (("total", "all peers"), ("peer", "one peer"))]
 
 
 def _store_ops(p: Panels) -> list[Any]:

@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
-# The vLLM engine image of the mooncake-lookout chart: the pinned vLLM OpenAI image, Mooncake's CUDA 13 wheel and
-# this package from its wheel, nothing else. Build from the repository root (docs/helm.md):
+# The vLLM engine image of the mooncake-lookout chart: the pinned vLLM OpenAI image, Mooncake's CUDA 13 wheel, this
+# package from its wheel and the RDMA user-space drivers, nothing else. Build from the repository root (docs/helm.md):
 #   docker build -f docker/engine.Dockerfile -t ghcr.io/mooncake-lookout/engine:0.1.0 .
 # Versions match pyproject.toml's pins (tests/test_dockerfiles.py checks them).
 #
@@ -23,6 +23,10 @@ RUN python -m pip wheel --no-cache-dir --no-deps --wheel-dir /dist .
 # Stage 2: vLLM's image plus the Mooncake CUDA 13 wheel and our wheel.
 FROM vllm/vllm-openai:v${VLLM_VERSION} AS engine
 ARG MOONCAKE_VERSION
+# Mooncake's transfer engine opens RDMA NICs through libibverbs, which finds the NIC's driver in ibverbs-providers.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends libibverbs1 ibverbs-providers \
+    && rm -rf /var/lib/apt/lists/*
 COPY --from=wheel /dist/ /tmp/dist/
 RUN python3 -m pip uninstall -y mooncake-transfer-engine mooncake-transfer-engine-cuda13 \
     && python3 -m pip install --no-cache-dir \

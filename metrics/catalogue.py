@@ -25,11 +25,15 @@ MODES: tuple[str, ...] = ("sync", "async", "budget")
 DROP_REASONS: tuple[str, ...] = ("expired", "evicted", "wiped")
 CACHE_CLEAR_REASONS: tuple[str, ...] = ("reset", "epoch", "failure")
 # The ``status`` label of server_requests: ok, error (lookups answered; the store failed), bad_request (malformed
-# frames), busy (lookups turned away: their peer was at its bound, max_peer_lookups), refused (resets from a peer
-# that may not wipe the store: plain TCP). The first four are also the wire's frame statuses (wire/pipelined.py).
+# frames, or frames past a bound on their own), busy (lookups turned away: their peer, or all peers, at a bound
+# of what may wait in the server), refused (resets from a peer that may not wipe the store: plain TCP). The
+# first four are also the wire's frame statuses (wire/pipelined.py).
 SERVER_BUSY = "busy"
 SERVER_REFUSED = "refused"
 SERVER_STATUSES: tuple[str, ...] = ("ok", "error", "bad_request", SERVER_BUSY, SERVER_REFUSED)
+# The labels of server_bounds: whose bound (one peer's, or all peers' together) and what it counts.
+SERVER_BOUND_SCOPES: tuple[str, ...] = ("peer", "total")
+SERVER_BOUND_MEASURES: tuple[str, ...] = ("lookups", "keys", "bytes")
 
 
 @dataclass(frozen=True)
@@ -111,9 +115,10 @@ INFO = _m("info", "gauge", "Lookup configuration, value 1.", ("transport", "look
                                                               "lookup_timeout_ms", "lookup_max_pending"))
 
 SERVER_REQUESTS = _m("server_requests", "counter",
-                     "Lookups the lookup server answered, by status: ok, error (the store failed), busy (the peer was "
-                     "at its bound of waiting lookups); and frames it refused: bad_request (malformed), refused (a "
-                     "reset from a peer that may not wipe the store).", ("status",), side="server")
+                     "Lookups the lookup server answered, by status: ok, error (the store failed), busy (the peer, or "
+                     "all peers, at a bound of what may wait: server_bounds); and frames it refused: bad_request "
+                     "(malformed, or past a bound on its own), refused (a reset from a peer that may not wipe the "
+                     "store).", ("status",), side="server")
 SERVER_QUEUE_DEPTH = _m("server_queue_depth", "gauge", "Lookups received and not yet answered by the server.",
                         side="server")
 SERVER_INFLIGHT = _m("server_inflight", "gauge", "Store calls the server is running right now.", side="server")
@@ -123,6 +128,15 @@ SERVER_BATCH_SIZE = _m("server_batch_size", "histogram", "Lookups coalesced into
                        BATCH_BUCKETS, side="server")
 SERVER_STORE_ERRORS = _m("server_store_errors", "counter", "Store calls that failed or returned error codes.",
                          side="server")
+SERVER_WAITING_KEYS = _m("server_waiting_keys", "gauge",
+                         "Store keys of the lookups received and not yet answered by the server, all peers.",
+                         side="server")
+SERVER_WAITING_BYTES = _m("server_waiting_bytes", "gauge",
+                          "Bytes the server holds for lookups received and not yet answered, all peers (their frames "
+                          "plus a fixed cost per lookup).", side="server")
+SERVER_BOUNDS = _m("server_bounds", "gauge",
+                   "The server's bounds on what may wait in it, per peer and in total (scope), in lookups, store keys "
+                   "and bytes (measure): a frame past one is answered busy.", ("scope", "measure"), side="server")
 
 CATALOGUE: tuple[MetricSpec, ...] = (
     REQUESTS, QUERIED_TOKENS, HIT_TOKENS, PENDING, MAX_PENDING, HELD, MAX_HELD, ANSWERS_DROPPED, WAIT_BUDGET_SECONDS,
@@ -131,7 +145,7 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     DEFERRALS, DEFERRED_STEPS, QUEUE_SECONDS, RPC_SECONDS, SECONDS, SCHEDULER_BLOCKED_SECONDS, STEP_INTERVAL_SECONDS,
     BREAKER_OPEN, LATE_REPLIES, INFO,
     SERVER_REQUESTS, SERVER_QUEUE_DEPTH, SERVER_INFLIGHT, SERVER_STORE_SECONDS, SERVER_BATCH_SIZE,
-    SERVER_STORE_ERRORS,
+    SERVER_STORE_ERRORS, SERVER_WAITING_KEYS, SERVER_WAITING_BYTES, SERVER_BOUNDS,
 )
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in CATALOGUE}
 
@@ -143,5 +157,6 @@ def all_series_names() -> set[str]:
 
 __all__ = [
     "BY_NAME", "CACHE_CLEAR_REASONS", "CATALOGUE", "DROP_REASONS", "MODES", "MetricSpec", "OUTCOMES", "PREFIX",
-    "SECONDS_BUCKETS", "SERVER_BUSY", "SERVER_REFUSED", "SERVER_STATUSES", "all_series_names",
+    "SECONDS_BUCKETS", "SERVER_BOUND_MEASURES", "SERVER_BOUND_SCOPES", "SERVER_BUSY", "SERVER_REFUSED",
+    "SERVER_STATUSES", "all_series_names",
 ]

@@ -1,4 +1,4 @@
-"""The lookup server's own figures: frames answered, queue depth, concurrent store calls, store latency.
+"""The lookup server's own figures: frames answered, what waits (and its bounds), store calls and their latency.
 
 A :class:`~mooncake_lookout.connector.server.observer.ServerObserver`: pass it to
 ``LookupServer(..., observers=[ServerMetrics(registry)])``. The server calls it on its IO thread;
@@ -7,6 +7,8 @@ specs of :mod:`.catalogue`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
@@ -28,9 +30,20 @@ class ServerMetrics(ServerObserver):
         self._store_seconds = make_metric(cat.SERVER_STORE_SECONDS, registry)
         self._batch_size = make_metric(cat.SERVER_BATCH_SIZE, registry)
         self._store_errors = make_metric(cat.SERVER_STORE_ERRORS, registry)
+        self._waiting_keys = make_metric(cat.SERVER_WAITING_KEYS, registry)
+        self._waiting_bytes = make_metric(cat.SERVER_WAITING_BYTES, registry)
+        self._bounds = make_metric(cat.SERVER_BOUNDS, registry)
 
     def queue_depth(self, depth: int) -> None:
         self._queue_depth.set(depth)
+
+    def waiting(self, keys: int, nbytes: int) -> None:
+        self._waiting_keys.set(keys)
+        self._waiting_bytes.set(nbytes)
+
+    def bounds(self, values: Mapping[tuple[str, str], int]) -> None:
+        for (scope, measure), value in values.items():
+            self._bounds.labels(scope, measure).set(value)
 
     def inflight(self, calls: int) -> None:
         self._inflight.set(calls)

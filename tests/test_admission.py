@@ -23,12 +23,15 @@ from mooncake_lookout.connector.curve import ClientCurve, ServerCurve, create_ke
 from mooncake_lookout.connector.lookup import Lookup, Outcome
 from mooncake_lookout.connector.rigs.faults import InjectedDelayBackend
 from mooncake_lookout.connector.rigs.workload import unique_hashes
-from mooncake_lookout.connector.server import LookupServer, intake
+from mooncake_lookout.connector.server import LookupServer, ServerObserver, intake
 from mooncake_lookout.connector.server.admission import RESET_REFUSED, Admission
+from mooncake_lookout.connector.server.limits import LOOKUP_OVERHEAD_BYTES, Limits
+from mooncake_lookout.connector.server.pacing import RELEASED_PER_TURN
 from mooncake_lookout.connector.server.prefix_index import PrefixIndex
 from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
 from mooncake_lookout.connector.wire import pipelined as p
 from mooncake_lookout.connector.wire import upstream as upstream_wire
+from mooncake_lookout.metrics.catalogue import SERVER_BOUND_MEASURES, SERVER_BOUND_SCOPES
 
 BLOCK = 16
 SLOW_STORE_S = 0.1  # the injected delay of each store call
@@ -52,7 +55,7 @@ def turn(admission: Admission) -> list[list[int | None]]:
 
 # -- Admission on its own -------------------------------------------------------------------------------------
 def test_a_batch_takes_whole_frames_up_to_a_share_of_each_peer() -> None:
-    admission = Admission(share_keys=64)  # frames of 16 lookups x 2 hashes: 32 keys each
+    admission = Admission(limits=Limits(share_keys=64))  # frames of 16 lookups x 2 hashes: 32 keys each
     for i in range(1, 6):
         assert admission.take_in(frame(b"A", i, 16)) is None
     assert admission.depth == 80
@@ -67,7 +70,7 @@ def test_a_batch_takes_whole_frames_up_to_a_share_of_each_peer() -> None:
 
 
 def test_a_peer_past_its_bound_is_busy_and_the_others_are_not() -> None:
-    admission = Admission(max_peer_lookups=40)
+    admission = Admission(limits=Limits(max_peer_lookups=40))
     assert admission.take_in(frame(b"A", 1, 16)) is None
     assert admission.take_in(frame(b"A", 2, 16)) is None
     busy = admission.take_in(frame(b"A", 3, 16))
@@ -77,11 +80,75 @@ def test_a_peer_past_its_bound_is_busy_and_the_others_are_not() -> None:
     assert admission.take_in(frame(b"B", 4, 16)) is None  # another peer has its own bound
     assert turn(admission) == [[1, 2, 4]]  # both wait no more than the turn: one call
     assert admission.take_in(frame(b"A", 5, 16)) is None, "answered lookups no longer count"
-    assert admission.take_in(frame(b"A", 6, 41)) is not None, "a frame over the bound on its own is always busy"
+    never = admission.take_in(frame(b"A", 6, 41))  # a frame over the bound on its own could never be taken
+    assert never is not None and (never.status, never.count) == (p.BAD_REQUEST, 1)
+    assert "a frame of 41 lookups can never fit" in p.decode_reply(never.reply).reason
+
+
+def _bytes_of(message: list[bytes]) -> int:
+    return sum(len(part) for part in message) + LOOKUP_OVERHEAD_BYTES * intake.query_count(message[-1])
+
+
+def test_what_waits_is_bounded_in_bytes_and_keys_per_peer_and_in_all() -> None:
+    one = frame(b"A", 1, 4, hashes=64)  # 4 lookups of 64 hashes: 256 keys, ~9 KB
+    size = _bytes_of(one)
+    admission = Admission(limits=Limits(max_peer_bytes=2 * size, max_total_bytes=3 * size, share_keys=1024))
+    assert admission.take_in(one) is None and admission.take_in(frame(b"A", 2, 4, hashes=64)) is None
+    assert admission.total.bytes == 2 * size and admission.total.keys == 512
+    busy = admission.take_in(frame(b"A", 3, 4, hashes=64))
+    assert busy is not None and (busy.status, busy.count) == (p.BUSY, 4)
+    reason = p.decode_reply(busy.reply).reason
+    assert f"{2 * size} bytes of this peer already wait" in reason and "(max_peer_bytes)" in reason
+    assert admission.take_in(frame(b"B", 4, 4, hashes=64)) is None  # another peer: its own bound, and room in all
+    busy = admission.take_in(frame(b"C", 5, 4, hashes=64))  # a third: room of its own, none in all
+    assert busy is not None and busy.status == p.BUSY and "of all peers" in p.decode_reply(busy.reply).reason
+    assert turn(admission) == [[1, 2, 4]]
+    assert (admission.total.bytes, admission.total.keys, admission.depth) == (0, 0, 0), "answered: no longer counted"
+    keys = Admission(limits=Limits(max_peer_keys=300))
+    assert keys.take_in(frame(b"A", 1, 4, hashes=64)) is None
+    busy = keys.take_in(frame(b"A", 2, 1, hashes=64))  # 256 + 64 keys > 300
+    assert busy is not None and busy.status == p.BUSY and "256 keys of this peer" in p.decode_reply(busy.reply).reason
+
+
+def test_a_frame_that_can_never_fit_is_refused_with_the_bound_it_passes() -> None:
+    big = frame(b"A", 1, 1, hashes=4096)  # one lookup of 4096 hashes: ~131 KB
+    admission = Admission(limits=Limits(max_peer_bytes=64_000))
+    refused = admission.take_in(big)
+    assert refused is not None and (refused.status, refused.count) == (p.BAD_REQUEST, 1)
+    reply = p.decode_reply(refused.reply)
+    assert reply.frame_id == 1 and f"a frame of {sum(map(len, big))} bytes can never fit" in reply.reason
+    assert "bound of 64000 bytes (max_peer_bytes)" in reply.reason
+    assert not admission and admission.total.bytes == 0, "a refused frame is not parked"
+    upstream = admission.take_in([b"A", b"", *upstream_wire.encode_lookup(65_537, [b"h" * 32] * 4096)])
+    assert upstream is not None and (upstream.status, upstream.reply) == (p.BAD_REQUEST, upstream_wire.RESP_ERR)
+    keys = Admission(limits=Limits(max_peer_keys=100)).take_in(frame(b"A", 2, 1, hashes=101))
+    assert keys is not None and keys.status == p.BAD_REQUEST
+    assert "a frame of 101 keys can never fit" in p.decode_reply(keys.reply).reason
+
+
+def test_past_a_byte_bound_a_frame_is_turned_away_unread() -> None:
+    admission = Admission(limits=Limits(max_peer_bytes=20_000))
+    assert admission.take_in(frame(b"A", 1, 4, hashes=64)) is None  # ~9 KB waits
+    header = frame(b"A", 2, 3)[1]
+    garbage = admission.take_in([b"A", header, b"\x93" + b"x" * 12_000])  # past the bound by its length: not decoded
+    assert garbage is not None and (garbage.status, garbage.count) == (p.BUSY, 3)
+    assert "(max_peer_bytes)" in p.decode_reply(garbage.reply).reason
+    never = admission.take_in([b"A", header, b"\x93" + b"x" * 30_000])  # longer than the bound itself
+    assert never is not None and never.status == p.BAD_REQUEST and "can never fit" in p.decode_reply(never.reply).reason
+
+
+def test_the_bounds_are_checked_and_named() -> None:
+    with pytest.raises(ValueError, match="max_peer_bytes must be at least 1"):
+        Limits(max_peer_bytes=0)
+    with pytest.raises(ValueError, match=r"max_peer_keys \(10\) exceeds max_total_keys \(5\)"):
+        Limits(max_peer_keys=10, max_total_keys=5)
+    bounds = Limits().bounds()
+    assert set(bounds) == {(s, m) for s in SERVER_BOUND_SCOPES for m in SERVER_BOUND_MEASURES}
+    assert bounds["peer", "bytes"] == Limits().max_peer_bytes
 
 
 def test_at_its_bound_a_peer_costs_only_a_header_read() -> None:
-    admission = Admission(max_peer_lookups=16)
+    admission = Admission(limits=Limits(max_peer_lookups=16))
     assert admission.take_in(frame(b"A", 1, 16)) is None
     header = frame(b"A", 2, 3)[1]
     garbage = admission.take_in([b"A", header, b"\x93 not msgpack at all"])  # the body is never decoded
@@ -93,8 +160,36 @@ def test_at_its_bound_a_peer_costs_only_a_header_read() -> None:
     assert junk is not None and junk.status == p.BAD_REQUEST
 
 
+def test_a_peer_past_its_bound_is_paced_and_the_others_are_not() -> None:
+    """Its busy replies are held and sent a few per turn of its; its turns wait while others are answered at once."""
+    admission = Admission(limits=Limits(max_peer_lookups=32, share_keys=32))  # one 16-lookup frame of 2 keys a turn
+    for i in range(1, 3):
+        assert admission.take_in(frame(b"flood", i, 16)) is None
+    held = [admission.take_in(frame(b"flood", i, 16)) for i in range(3, 3 + RELEASED_PER_TURN + 2)]
+    assert all(r is not None and r.status == p.BUSY and r.later for r in held), "busy replies go later"
+    assert admission.ready(0.0) and admission.flood_turn(0.0)  # its first turn is due at once
+    released = admission.pacer.release()
+    assert released == held[:RELEASED_PER_TURN], "the oldest first, a few per turn"
+    assert turn(admission) == [[1]]
+    admission.pacer.turn_took(0.002, now=10.0)  # that turn took 2 ms: the next comes 6 ms later (a quarter)
+    assert not admission.ready(10.001) and admission.wait_s(10.001) == pytest.approx(0.005)
+    assert admission.take_in(frame(b"other", 50, 1)) is None  # another peer: answered now, the flood waits
+    assert admission.ready(10.001) and not admission.flood_turn(10.001)
+    assert [ids(batch) for batch in admission.take(flood=False)] == [[50]]
+    assert not admission.ready(10.006 - 1e-4) and admission.ready(10.006) and admission.flood_turn(10.006)
+    assert admission.pacer.release() == held[RELEASED_PER_TURN:] and not admission.pacer
+    assert turn(admission) == [[2]] and not admission
+
+
+def test_a_peer_turned_away_by_the_total_bound_is_not_paced() -> None:
+    admission = Admission(limits=Limits(max_peer_lookups=32, max_total_lookups=32))
+    assert admission.take_in(frame(b"A", 1, 32)) is None
+    busy = admission.take_in(frame(b"B", 2, 1))  # all peers at their bound together: B is not flooding
+    assert busy is not None and busy.status == p.BUSY and not busy.later and not admission.pacer
+
+
 def test_a_flood_is_answered_share_by_share_after_the_light_peers() -> None:
-    admission = Admission(share_keys=64)  # frames of 16 lookups x 2 hashes: 32 keys each
+    admission = Admission(limits=Limits(share_keys=64))  # frames of 16 lookups x 2 hashes: 32 keys each
     for i in range(1, 11):
         assert admission.take_in(frame(b"flood", i, 16)) is None
     assert admission.take_in(frame(b"other", 11, 1)) is None
@@ -104,7 +199,7 @@ def test_a_flood_is_answered_share_by_share_after_the_light_peers() -> None:
 
 
 def test_a_reset_is_fenced_even_when_shares_split_the_lookups_before_it() -> None:
-    admission = Admission(share_keys=1)
+    admission = Admission(limits=Limits(share_keys=1))
     for message in (frame(b"A", 1, 1), frame(b"A", 2, 1), frame(b"B", 3, 1), [b"B", *p.encode_reset(4)],
                     frame(b"A", 5, 1), frame(b"B", 6, 1)):
         assert admission.take_in(message) is None
@@ -172,7 +267,8 @@ def test_a_flooding_peer_gets_busy_replies_and_the_other_peer_is_served(
         ctx: zmq.Context, slow: InjectedDelayBackend, prefix_index: PrefixIndex) -> None:
     others = [unique_hashes(4, seed=900 + i) for i in range(3)]
     prefix_index.store_prefixes(others)
-    with LookupServer(slow, max_peer_lookups=64) as server:
+    seen = MostWaiting()
+    with LookupServer(slow, limits=Limits(max_peer_lookups=64), observers=[seen]) as server:
         flooder, other = _dealer(ctx, server.address), _dealer(ctx, server.address)
         flooder.send_multipart(_lookup(1, unique_hashes(2, seed=1)))  # the server goes into a slow store call
         _poll(lambda: slow.delayed_calls >= 1)
@@ -188,6 +284,20 @@ def test_a_flooding_peer_gets_busy_replies_and_the_other_peer_is_served(
     assert all("bound is 64" in r.reason for r in flood if r.status == p.BUSY)
     assert [(r.status, r.results[0].hit_length) for r in mine] == [(p.OK, 4 * BLOCK)] * 3, "the other peer was starved"
     assert server.stats.answered_by_status["busy"] == 16 * statuses.count(p.BUSY)
+    # What waited was reported: the flooder's up to its bound (64 lookups of 2 keys) beside the other's 3 lookups of
+    # 4 keys, their frames' bytes; then nothing.
+    assert 128 <= seen.keys <= 128 + 12 and 64 * 2 * 32 < seen.bytes < 4 * 4096 and seen.last == (0, 0)
+
+
+class MostWaiting(ServerObserver):
+    """The most store keys and bytes the server reported waiting, and its last report."""
+
+    def __init__(self) -> None:
+        self.keys = self.bytes = 0
+        self.last = (0, 0)
+
+    def waiting(self, keys: int, nbytes: int) -> None:
+        self.keys, self.bytes, self.last = max(self.keys, keys), max(self.bytes, nbytes), (keys, nbytes)
 
 
 def test_with_curve_a_peer_is_its_key_not_its_connection(ctx: zmq.Context, slow: InjectedDelayBackend,
@@ -201,7 +311,7 @@ def test_with_curve_a_peer_is_its_key_not_its_connection(ctx: zmq.Context, slow:
     curve = ServerCurve.from_files(server_key[1], str(tmp_path / "allowed"))
     one, two = (ClientCurve.from_files(server_key[0], secret) for _, secret in clients)
     busy = {}
-    with LookupServer(slow, "tcp://127.0.0.1:0", curve=curve, max_peer_lookups=20) as server:
+    with LookupServer(slow, "tcp://127.0.0.1:0", curve=curve, limits=Limits(max_peer_lookups=20)) as server:
         for case, keys in (("same key", (one, one)), ("two keys", (one, two))):
             socks = [_dealer(ctx, server.address, key) for key in keys]
             for i, sock in enumerate(socks):  # handshakes done: what follows reaches the server at once
@@ -219,15 +329,15 @@ def test_with_curve_a_peer_is_its_key_not_its_connection(ctx: zmq.Context, slow:
     assert busy == {"same key": 1, "two keys": 0}
 
 
-def test_a_busy_frame_ends_its_lookups_as_errors_not_misses(prefix_index: PrefixIndex) -> None:
-    with LookupServer(prefix_index, max_peer_lookups=1) as server:
+def test_a_refused_frame_ends_its_lookups_as_errors_not_misses(prefix_index: PrefixIndex) -> None:
+    with LookupServer(prefix_index, limits=Limits(max_peer_lookups=1)) as server:
         transport = PipelinedTransport(server.address, timeout_s=5.0)
         jobs = []
         for i in range(2):
             jobs.append(Lookup(f"r{i}", 2 * BLOCK + 1, unique_hashes(2, seed=i), "pipelined", 0, time.perf_counter(),
                                5.0))
         try:
-            transport.send(jobs)  # one frame of 2 lookups: over a bound of 1
+            transport.send(jobs)  # one frame of 2 lookups: over a bound of 1 on its own
             deadline = time.perf_counter() + 10
             while any(job.outcome is None for job in jobs):
                 assert time.perf_counter() < deadline
@@ -235,7 +345,8 @@ def test_a_busy_frame_ends_its_lookups_as_errors_not_misses(prefix_index: Prefix
         finally:
             transport.close()
     assert [job.outcome for job in jobs] == [Outcome.ERROR] * 2
-    assert all(job.error.startswith("busy: ") and job.refused for job in jobs)  # turned away: not the store's doing
+    # turned away without asking the store: a refusal, which says nothing of the store
+    assert all(job.error.startswith("bad_request: a frame of 2 lookups can never fit") and job.refused for job in jobs)
 
 
 def test_every_status_the_server_answers_with_is_a_catalogue_label() -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_lookout.connector.bench import doc_tables, soak_tables
+from mooncake_lookout.connector.bench import doc_tables, security_tables, soak_tables
 from mooncake_lookout.connector.bench.records import RUNS_DIR, Run, across, load_runs, load_soaks
 from mooncake_lookout.connector.bench.run import format_report
 from mooncake_lookout.connector.cli.docs import BLOCKS, end_marker, extract, stale_blocks, start_marker
@@ -187,11 +187,40 @@ def _prose(text: str) -> str:
 
 
 # Settings and scenario set-ups (not measurements) that the prose may name.
-SETTINGS = {"50 us", "1.5 ms", "20 ms", "40 ms", "100 ms"}
+SETTINGS = {"50 us", "1.5 ms", "20 ms", "40 ms", "100 ms", "200 ms"}
 
 
-@pytest.mark.parametrize("name", ["docs/tuning.md", "docs/bench-results.md"])
+@pytest.mark.parametrize("name", ["docs/tuning.md", "docs/bench-results.md", "docs/security.md"])
 def test_no_hand_typed_latency_outside_the_generated_blocks(name: str) -> None:
     typed = set(re.findall(r"\b\d[\d,.]*\s?(?:us|ms)\b", _prose((ROOT / name).read_text())))
     assert typed <= SETTINGS, f"{name}: figures typed by hand (generate them from docs/bench/): {typed - SETTINGS}"
     assert not re.search(r"\brun \d+ of\b|\bruns? [1-9]\d*(-\d+)? (?:of|on)\b", _prose((ROOT / name).read_text()))
+
+
+def test_a_security_run_whose_figures_changed_makes_the_security_doc_stale(checkout: Path) -> None:
+    path = checkout / security_tables.SECURITY_FILE
+    results = json.loads(path.read_text())
+    results["flood"]["rounds"][0]["flood_us"]["shared"]["p99"] += 1000.0
+    results["curve"]["curve"]["single_us"]["p50"] += 7.0
+    path.write_text(json.dumps(results))
+    stale = stale_blocks(checkout)
+    assert "docs/security.md: bench-security-flood" in stale and "docs/security.md: bench-security-curve" in stale
+    stale_blocks(checkout, write=True)
+    assert stale_blocks(checkout) == []
+
+
+def test_the_flood_verdict_is_rendered_as_the_run_judged_it() -> None:
+    results = security_tables.load_security(ROOT)
+    rounds = results["flood"]["rounds"]
+    table = security_tables.render_security_flood(results)
+    assert f"**met in {sum(r['met'] for r in rounds)} of {len(rounds)} rounds**" in table
+    missed = copy.deepcopy(results)
+    missed["flood"]["rounds"][0].update(met=False, p99_ratio=2.5)
+    assert "**2.50**: **missed**" in security_tables.render_security_flood(missed)
+    assert f"**met in {sum(r['met'] for r in rounds[1:])} of {len(rounds)} rounds**" in \
+        security_tables.render_security_flood(missed)
+
+
+def test_no_committed_security_run_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="security.json"):
+        security_tables.load_security(tmp_path)

@@ -89,18 +89,22 @@ def expand(text: str, args: dict[str, str]) -> str:
     return re.sub(r"\$\{(\w+)\}|\$(\w+)", sub, text)
 
 
-def pip_installs(stage: Stage) -> list[str]:
-    """Requirements given to `pip install` in a stage's RUN instructions (options dropped)."""
+def tool_args(stage: Stage, tool: str, verb: str) -> list[str]:
+    """What a stage's RUN instructions give ``tool verb`` (e.g. pip install, apt-get install), options dropped."""
     found: list[str] = []
     for keyword, rest in stage.instructions:
         if keyword != "RUN":
             continue
         for command in re.split(r"&&|;", rest):
             tokens = shlex.split(command)
-            if "pip" in tokens and "install" in tokens:
-                after = tokens[tokens.index("install") + 1:]
-                found += [t for t in after if not t.startswith("-")]
+            if tool in tokens and verb in tokens:
+                found += [t for t in tokens[tokens.index(verb) + 1:] if not t.startswith("-")]
     return found
+
+
+def pip_installs(stage: Stage) -> list[str]:
+    """Requirements given to `pip install` in a stage's RUN instructions (options dropped)."""
+    return tool_args(stage, "pip", "install")
 
 
 def of(stage: Stage, keyword: str) -> list[str]:
@@ -128,15 +132,7 @@ def test_parser_rejects_what_docker_would():
 
 def pip_uninstalls(stage: Stage) -> list[str]:
     """Packages given to `pip uninstall` in a stage's RUN instructions, in order."""
-    found: list[str] = []
-    for keyword, rest in stage.instructions:
-        if keyword != "RUN":
-            continue
-        for command in re.split(r"&&|;", rest):
-            tokens = shlex.split(command)
-            if "pip" in tokens and "uninstall" in tokens:
-                found += [t for t in tokens[tokens.index("uninstall") + 1:] if not t.startswith("-")]
-    return found
+    return tool_args(stage, "pip", "uninstall")
 
 
 def vllm_cuda_major() -> int:
@@ -221,6 +217,17 @@ def test_master_image_installs_the_pinned_wheel_and_runs_as_the_charts_user():
     (expose,) = of(stage, "EXPOSE")
     ports = [VALUES["master"]["rpcPort"], VALUES["master"]["metricsPort"]]
     assert sorted(int(p) for p in expose.split()) == sorted(ports)
+
+
+@pytest.mark.parametrize("image", ["engine", "master"])
+def test_both_images_carry_the_rdma_drivers_libibverbs_loads(image):
+    """libibverbs finds a NIC only through a provider (libmlx5 and the others of ibverbs-providers); installed with
+    --no-install-recommends, libibverbs1 leaves them out. The master image also runs the store pods."""
+    stage = (ENGINE if image == "engine" else MASTER).stages[-1]
+    installs = tool_args(stage, "apt-get", "install")
+    assert {"libibverbs1", "ibverbs-providers"} <= set(installs), installs
+    (run,) = [rest for k, rest in stage.instructions if k == "RUN" and "apt-get install" in rest]
+    assert "apt-get update" in run and "rm -rf /var/lib/apt/lists/*" in run  # one layer, no stale index
 
 
 def test_chart_annotations_name_the_versions_the_images_install():

@@ -31,12 +31,14 @@ CRD_GROUP = "monitoring.coreos.com/v1"
 @pytest.fixture(scope="module")
 def rendered() -> dict[tuple[str, str], list[dict[str, Any]]]:
     """Every value set rendered for every Kubernetes version, by (set name, version), for a cluster that serves
-    the Prometheus Operator's CRDs (so the monitoring objects render too)."""
+    the Prometheus Operator's CRDs (so the monitoring objects render too), where kube-prometheus-stack runs as
+    release kps (a value set that names no release gets that one)."""
     out = {}
     for name, path in VALUE_SETS.items():
+        sets = {} if values_of(name)["monitoring"]["release"] else {"monitoring.release": '"kps"'}
         for version in KUBE_VERSIONS:
-            out[(name, version)] = chart.template([path] if path else [], kube_version=version,
-                                                  api_versions=[chart.MONITORING_API])
+            out[(name, version)] = chart.template([path] if path else [], kube_version=version, sets=sets,
+                                                  api_versions=chart.MONITORING_APIS)
     return out
 
 
@@ -190,7 +192,7 @@ def test_external_master_deploys_no_master_and_points_the_engine_at_it(rendered,
 
 def test_master_flags_come_from_values(rendered):
     for name in VALUE_SETS:
-        if name.startswith("external"):
+        if not values_of(name)["master"]["enabled"]:
             continue
         master = values_of(name)["master"]
         (container,) = chart.one(rendered[(name, "1.32.0")], "Deployment", "-master")["spec"]["template"]["spec"][
@@ -382,7 +384,7 @@ def test_notes_render_for_every_value_set():
         notes = chart.render_notes([path] if path else [], release="notes")
         assert "vllm:mooncake_lookup_" in notes, name
         assert ("helm test notes -n serving" in notes) == values_of(name)["helmTest"]["enabled"], name
-        assert ("external" in notes) == name.startswith("external"), name
+        assert ("external" in notes) == (not values_of(name)["master"]["enabled"]), name
 
 
 def test_packaged_chart_follows_the_dashboards_link_and_keeps_only_what_templates_read(tmp_path):

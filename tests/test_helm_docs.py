@@ -88,3 +88,14 @@ def test_helm_doc_says_what_is_verified_here_and_what_only_a_cluster_shows():
     only_cluster = section.split("Not verified here, only on a real cluster:", 1)[1]
     for gap in ("images build", "NetworkPolicies", "etcd StatefulSet", "k8s Lease", "helm test", "RDMA"):
         assert gap in only_cluster, gap
+
+
+def test_the_grafana_folder_needs_both_sidecar_settings_and_the_docs_name_both():
+    """The sidecar puts a dashboard in a folder only with folderAnnotation set to the chart's annotation key, and
+    Grafana makes folders of them only with provider.foldersFromFilesStructure: the docs named the first only."""
+    grafana = DOCS["helm.md"].read_text().split("## 8. Grafana", 1)[1].split("\n## ", 1)[0]
+    assert "folderAnnotation: grafana_folder" in grafana and "foldersFromFilesStructure: true" in grafana
+    values_text = (chart.CHART / "values.yaml").read_text()
+    described = values_text.split("folder: \"\"", 1)[0].rsplit("labelValue:", 1)[1]
+    assert "folderAnnotation" in described and "foldersFromFilesStructure" in described
+    assert chart.load_values()["grafana"]["dashboards"]["folderAnnotation"] == "grafana_folder"

@@ -21,6 +21,7 @@ import urllib.request
 from collections.abc import Iterator
 from http.server import ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -222,8 +223,14 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait(timeout=10)
 
 
-SINGLE_MASTER_SETS = sorted(n for n, p in chart.ci_value_sets().items()
-                            if not n.startswith("external") and not n.startswith("ha")) + ["default"]
+def _runs_one_master(path: Path) -> bool:
+    import yaml
+
+    master = (yaml.safe_load(path.read_text()) or {}).get("master", {})
+    return master.get("enabled", True) and not master.get("ha", {}).get("enabled", False)
+
+
+SINGLE_MASTER_SETS = sorted(n for n, p in chart.ci_value_sets().items() if _runs_one_master(p)) + ["default"]
 
 
 @pytest.mark.parametrize("name,lease", [(n, "10s") for n in SINGLE_MASTER_SETS]
@@ -257,15 +264,21 @@ def master_capacity(metrics_port: int) -> int:
     return int(float(next(x.split()[1] for x in text.splitlines() if x.startswith("master_total_capacity_bytes"))))
 
 
-def test_the_charts_store_pod_lends_its_segment_to_the_master(master):
-    """A store pod's rendered flags (master address, segment, P2P handshake) mount its memory on a real master."""
-    http_port, port = free_port(), free_port()
+def store_pod(master: dict[str, int], http_port: int, port: int) -> tuple[dict[str, Any], list[str]]:
+    """A store pod's container as the chart renders it (a 64 MB segment), and its args moved to loopback and this
+    master."""
     objects = chart.template(sets={"store.enabled": "true", "store.globalSegmentSize": '"64MB"',
                                    "store.localBufferSize": '"0"', "store.httpPort": str(http_port),
                                    "store.port": str(port), "master.rpcPort": str(master["rpc"])})
     (c,) = chart.one(objects, "Deployment", "-store")["spec"]["template"]["spec"]["containers"]
     rendered = json.loads(chart.one(objects, "ConfigMap", "-engine")["data"]["mooncake.json"])["master_server_address"]
-    args = [a.replace("$(POD_IP)", "127.0.0.1").replace(rendered, f"127.0.0.1:{master['rpc']}") for a in c["args"]]
+    return c, [a.replace("$(POD_IP)", "127.0.0.1").replace(rendered, f"127.0.0.1:{master['rpc']}") for a in c["args"]]
+
+
+def test_the_charts_store_pod_lends_its_segment_to_the_master(master):
+    """A store pod's rendered flags (master address, segment, P2P handshake) mount its memory on a real master."""
+    http_port, port = free_port(), free_port()
+    c, args = store_pod(master, http_port, port)
     assert f"--master_server_address=127.0.0.1:{master['rpc']}" in args  # the engines' address, moved here
     binary = Path(master_binary()).with_name(c["command"][0])
     before = master_capacity(master["metrics"])
@@ -282,6 +295,73 @@ def test_the_charts_store_pod_lends_its_segment_to_the_master(master):
     finally:
         stop(proc)
         proc.stderr.close()
+
+
+def established_to(ports: range) -> set[tuple[int, int]]:
+    """(local port, remote port) of every established TCP connection of this host whose local port is in ``ports``."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, remote, state = line.split()[1:4]
+            port = int(local.rsplit(":", 1)[1], 16)
+            if state == "01" and port in ports:
+                found.add((port, int(remote.rsplit(":", 1)[1], 16)))
+    return found
+
+
+@pytest.fixture
+def own_master() -> Iterator[dict[str, int]]:
+    """A master of the test's own, with the chart's flags: the module's master may still list the segments of store
+    pods other tests stopped (until their client TTL), and a put placed there would fail."""
+    rpc_port, metrics_port = free_port(), free_port()
+    proc, _ = start_master(master_args_from_chart(rpc_port, metrics_port))
+    try:
+        yield {"rpc": rpc_port, "metrics": metrics_port}
+    finally:
+        stop(proc)
+        proc.stderr.close()
+
+
+def test_a_client_that_lends_nothing_is_never_connected_to(own_master, monkeypatch):
+    """Why a release whose engines lend nothing (engine.mooncake.mode standalone-store) needs no ingress on its
+    transfer ports: a store pod (the chart's flags) lends its segment, a client with segment 0 and a local buffer puts
+    and gets through it, and no connection ever lands on that client's ports (pinned to a range of their own); every
+    connection it has, it opened."""
+    master = own_master
+    port = free_port()
+    _, args = store_pod(master, free_port(), port)
+    before = master_capacity(master["metrics"])
+    lender = subprocess.Popen([str(Path(master_binary()).with_name("mooncake_client")), *args],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                              env=dict(os.environ, MC_LOG_LEVEL="ERROR", MC_MIN_RPC_PORT="16200",
+                                       MC_MAX_RPC_PORT="16220"))
+    consumer = None
+    ours = range(16300, 16321)  # the consumer's transfer ports
+    try:
+        poll(lambda: lender.poll() is not None or master_capacity(master["metrics"]) == before + 64 * 1024**2,
+             what="the store pod's segment on the master")
+        assert lender.poll() is None, lender.stderr.read().decode()[-2000:]
+        from mooncake_lookout.connector.server.store import open_store
+
+        monkeypatch.setenv("MC_MIN_RPC_PORT", str(ours.start))
+        monkeypatch.setenv("MC_MAX_RPC_PORT", str(ours.stop - 1))
+        consumer = open_store(f"127.0.0.1:{master['rpc']}", global_segment_size=0, local_buffer_size=16 << 20)
+        assert master_capacity(master["metrics"]) == before + 64 * 1024**2  # it lent nothing
+        seen: set[tuple[int, int]] = set()
+        to_lender: set[tuple[int, int]] = set()
+        for i in range(16):
+            value = bytes([i]) * 4096
+            assert consumer.put(f"lends-nothing-{i}", value) == 0
+            assert consumer.get(f"lends-nothing-{i}") == value  # the bytes came from the store pod's segment
+            seen |= established_to(ours)
+            to_lender |= established_to(range(16200, 16221)) | established_to(range(port, port + 1))
+        assert seen == set(), f"connections landed on the client that lends nothing: {seen}"
+        assert to_lender, "the control: the consumer's connections to the store pod were not seen"
+    finally:
+        if consumer is not None:
+            consumer.close()
+        stop(lender)
+        lender.stderr.close()
 
 
 # -- lookup spans with the chart's tracing variables --------------------------------------------------------

@@ -26,8 +26,10 @@ DURATION = re.compile(r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0
 
 
 def with_crds(values_files=(), sets=None) -> list[dict[str, Any]]:
-    """The chart rendered for a cluster that serves the Prometheus Operator's CRDs."""
-    return chart.template(values_files, sets=sets, api_versions=[chart.MONITORING_API])
+    """The chart rendered for a cluster that serves the Prometheus Operator's CRDs, with kube-prometheus-stack
+    installed as release ``kps`` (unless ``sets`` say otherwise)."""
+    return chart.template(values_files, sets={"monitoring.release": '"kps"', **(sets or {})},
+                          api_versions=chart.MONITORING_APIS)
 
 
 @pytest.fixture(scope="module")
@@ -66,12 +68,11 @@ def test_engine_service_monitor_selects_the_engine_service(default):
     monitor = chart.one(default, "ServiceMonitor", "-engine")
     assert monitor["apiVersion"] == CRD_API
     spec = monitor["spec"]
-    assert set(spec) == {"jobLabel", "namespaceSelector", "selector", "endpoints", "scrapeProtocols"}
+    assert set(spec) == {"namespaceSelector", "selector", "endpoints", "scrapeProtocols"}
     service = chart.one(default, "Service", "-engine")
     assert _selected(spec["selector"], service["metadata"]["labels"])
     assert not _selected(spec["selector"], chart.one(default, "Service", "-master")["metadata"]["labels"])
     assert spec["namespaceSelector"] == {"matchNames": [service["metadata"]["namespace"]]}
-    assert spec["jobLabel"] in service["metadata"]["labels"]
     (endpoint,) = spec["endpoints"]
     _check_endpoint(endpoint, {p["name"] for p in service["spec"]["ports"]})
 
@@ -97,7 +98,7 @@ def test_master_pod_monitor_selects_the_master_pods(default):
     monitor = chart.one(default, "PodMonitor", "-master")
     assert monitor["apiVersion"] == CRD_API
     spec = monitor["spec"]
-    assert set(spec) == {"jobLabel", "namespaceSelector", "selector", "podMetricsEndpoints"}
+    assert set(spec) == {"namespaceSelector", "selector", "podMetricsEndpoints"}
     pod = chart.one(default, "Deployment", "-master")["spec"]["template"]
     engine_pod = chart.one(default, "Deployment", "-engine")["spec"]["template"]
     assert _selected(spec["selector"], pod["metadata"]["labels"])
@@ -121,10 +122,26 @@ def test_monitor_labels_reach_the_objects():
     objects = chart.template([chart.ci_value_sets()["async-budget"]])
     for kind, suffix in (("ServiceMonitor", "-engine"), ("PodMonitor", "-master"), ("PrometheusRule", "")):
         assert chart.one(objects, kind, suffix)["metadata"]["labels"]["release"] == "kube-prometheus-stack"
-    # Per-object labels add to it; without monitoring.release there is no release label at all.
-    objects = with_crds(sets={"monitoring.serviceMonitor.labels": '{"team": "infra"}'})
+    # Per-object labels add to it; with monitoring.release false there is no release label at all.
+    objects = with_crds(sets={"monitoring.serviceMonitor.labels": '{"team": "infra"}', "monitoring.release": "false"})
     labels = chart.one(objects, "ServiceMonitor", "-engine")["metadata"]["labels"]
     assert labels["team"] == "infra" and "release" not in labels
+    assert "release" not in chart.one(objects, "PrometheusRule")["metadata"]["labels"]
+
+
+def test_a_monitoring_object_no_stock_prometheus_would_select_fails_the_render_naming_the_fix():
+    """monitoring.release empty and no labels of the object's own: kube-prometheus-stack would ignore it, so the
+    render fails (it used to pass, and only NOTES said so); an object with labels of its own renders."""
+    with pytest.raises(chart.HelmError, match=r"monitoring.release is empty, so the (ServiceMonitor|PodMonitor|"
+                                              r"PrometheusRule) lookout-mooncake-lookout\S* carries no label .* "
+                                              r"Set monitoring.release to that name"):
+        with_crds(sets={"monitoring.release": '""'})
+    labelled = {f"monitoring.{o}.labels": '{"team": "infra"}'
+                for o in ("serviceMonitor", "masterMonitor", "prometheusRule")}
+    objects = with_crds(sets={"monitoring.release": '""', **labelled})
+    assert len([o for o in objects if o["apiVersion"] == CRD_API]) == 3
+    # Without the Operator's CRDs nothing renders, so nothing is asked for.
+    assert chart.template(sets={"monitoring.release": '""'})
 
 
 def test_prometheus_rule_is_the_rule_file(default):
@@ -163,16 +180,64 @@ def test_runbook_base_url_is_swapped_and_nothing_else():
     assert urls
 
 
-def test_dashboard_configmaps_are_byte_identical_to_the_dashboards(default):
-    maps = [o for o in chart.find(default, "ConfigMap") if o["metadata"]["labels"].get("grafana_dashboard") == "1"]
-    by_file = {name: data for o in maps for name, data in o["data"].items()}
-    files = dashboard_files()
-    assert sorted(by_file) == [p.name for p in files]
-    for path in files:
-        assert by_file[path.name].encode() == path.read_bytes(), path.name
-        json.loads(by_file[path.name])
+def dashboards_of(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The rendered dashboards by their file in dashboards/ (the ConfigMap's key ends with it)."""
+    maps = [o for o in chart.find(objects, "ConfigMap") if o["metadata"]["labels"].get("grafana_dashboard") == "1"]
+    out = {}
     for o in maps:
         assert len(o["metadata"]["name"]) <= 63 and len(o["data"]) == 1
+        ((key, text),) = o["data"].items()
+        (path,) = [p for p in dashboard_files() if key.endswith("-" + p.name)]
+        out[path.name] = json.loads(text)
+    return out
+
+
+def test_dashboard_configmaps_are_the_dashboards_with_a_uid_and_title_of_the_release(default):
+    """Everything but uid, title, the links between them and (here, with the monitors on) the variables' starting
+    values is the file as generated; the links follow the new uids."""
+    rendered = dashboards_of(default)
+    files = {p.name: json.loads(p.read_text()) for p in dashboard_files()}
+    assert sorted(rendered) == sorted(files)
+    new_uid = {files[name]["uid"]: rendered[name]["uid"] for name in files}
+    for name, original in files.items():
+        got = rendered[name]
+        assert got["uid"] != original["uid"] and got["uid"].startswith(original["uid"][:20]) and len(got["uid"]) <= 40
+        assert got["title"] == f"{original['title']} (serving/lookout)"
+        for link, old in zip(got["links"], original["links"]):
+            assert link["url"] == f"/d/{new_uid[old['url'].removeprefix('/d/')]}", link
+        same = {k: v for k, v in got.items() if k not in ("uid", "title", "links", "templating")}
+        assert same == {k: v for k, v in original.items() if k not in ("uid", "title", "links", "templating")}
+        for variable, old in zip(got["templating"]["list"], original["templating"]["list"]):
+            assert {k: v for k, v in variable.items() if k != "current"} == {
+                k: v for k, v in old.items() if k != "current"}, variable["name"]
+
+
+def test_two_releases_provision_dashboards_grafana_and_its_sidecar_tell_apart():
+    """Fixed uids made a second release's dashboards duplicates of the first's (and, under the same file name, the
+    sidecar overwrote one with the other)."""
+    first = with_crds()
+    second = chart.template(release="second", namespace="team-b", sets={"monitoring.release": '"kps"'},
+                            api_versions=chart.MONITORING_APIS)
+    keys = [{k for o in chart.find(objects, "ConfigMap") for k in o["data"]
+             if o["metadata"]["labels"].get("grafana_dashboard")} for objects in (first, second)]
+    assert not keys[0] & keys[1]
+    uids = [{d["uid"] for d in dashboards_of(objects).values()} for objects in (first, second)]
+    assert len(uids[0]) == len(uids[1]) == len(dashboard_files()) and not uids[0] & uids[1]
+    titles = [{d["title"] for d in dashboards_of(objects).values()} for objects in (first, second)]
+    assert not titles[0] & titles[1]
+
+
+def test_dashboards_open_on_the_releases_own_jobs_where_its_monitors_render(default):
+    for dashboard in dashboards_of(default).values():
+        current = {v["name"]: v["current"] for v in dashboard["templating"]["list"] if "current" in v}
+        assert current["namespace"]["value"] == ["serving"]
+        assert current["job"]["value"] == ["lookout-mooncake-lookout-engine"]
+        assert current["master_job"]["value"] == ["lookout-mooncake-lookout-master"]
+        assert current["pod"]["value"] == "$__all"
+    # Without the chart's monitors the jobs are someone else's: every variable starts at All.
+    for dashboard in dashboards_of(chart.template()).values():
+        assert {json.dumps(v["current"]["value"]) for v in dashboard["templating"]["list"] if "current" in v} == {
+            '"$__all"'}
 
 
 def test_dashboard_label_folder_and_namespace_follow_values():
@@ -182,6 +247,10 @@ def test_dashboard_label_folder_and_namespace_follow_values():
     for o in maps:
         assert o["metadata"]["namespace"] == "monitoring"
         assert o["metadata"]["annotations"]["grafana_folder"] == "Mooncake"
+    objects = chart.template([chart.ci_value_sets()["pipelined"]],
+                             sets={"grafana.dashboards.folderAnnotation": '"k8s-sidecar-target-directory"'})
+    for o in [o for o in chart.find(objects, "ConfigMap") if "grafana_dashboard" in o["metadata"]["labels"]]:
+        assert o["metadata"]["annotations"] == {"k8s-sidecar-target-directory": "Mooncake"}
     custom = chart.template(sets={"grafana.dashboards.label": '"my_dash"', "grafana.dashboards.labelValue": '"yes"'})
     assert [o for o in chart.find(custom, "ConfigMap") if o["metadata"]["labels"].get("my_dash") == "yes"]
 
@@ -193,6 +262,25 @@ def test_monitoring_off_renders_no_monitoring_objects():
     assert not [o for o in chart.find(objects, "ConfigMap") if "grafana_dashboard" in o["metadata"]["labels"]]
     kinds = {o["kind"] for o in objects}
     assert {"Deployment", "Service", "ConfigMap", "ServiceAccount"} <= kinds
+
+
+def test_store_pods_are_scraped_by_a_pod_monitor_of_their_own():
+    """Store pods serve /metrics on store.httpPort: a PodMonitor scrapes them (none did before)."""
+    assert not chart.find(with_crds(), "PodMonitor", "-store")  # no store pods, no monitor
+    objects = with_crds(sets={"store.enabled": "true"})
+    monitor = chart.one(objects, "PodMonitor", "-store")
+    pod = chart.one(objects, "Deployment", "-store")["spec"]["template"]
+    assert _selected(monitor["spec"]["selector"], pod["metadata"]["labels"])
+    for other in ("-engine", "-master"):
+        assert not _selected(monitor["spec"]["selector"],
+                             chart.one(objects, "Deployment", other)["spec"]["template"]["metadata"]["labels"])
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    ports = {p["name"]: p["containerPort"] for c in pod["spec"]["containers"] for p in c["ports"]}
+    _check_endpoint(endpoint, set(ports))
+    assert ports[endpoint["port"]] == chart.load_values()["store"]["httpPort"]
+    assert monitor["metadata"]["labels"]["release"] == "kps"
+    assert not chart.find(with_crds(sets={"store.enabled": "true", "monitoring.storeMonitor.enabled": "false"}),
+                          "PodMonitor", "-store")
 
 
 def test_each_monitor_switches_off_alone():
@@ -212,8 +300,15 @@ def test_monitoring_objects_follow_the_clusters_capabilities():
     assert chart.load_values()["monitoring"]["enabled"] == "auto"
     assert crd_kinds(chart.template()) == []
     assert crd_kinds(with_crds()) == ["PodMonitor", "PrometheusRule", "ServiceMonitor"]
-    assert crd_kinds(chart.template(sets={"monitoring.enabled": "true"})) == ["PodMonitor", "PrometheusRule",
-                                                                             "ServiceMonitor"]
+    assert crd_kinds(chart.template(sets={"monitoring.enabled": "true", "monitoring.release": '"kps"'})) == [
+        "PodMonitor", "PrometheusRule", "ServiceMonitor"]
+    # Each kind on its own: a cluster with the monitors' CRDs but not PrometheusRule's still installs.
+    monitors_only = [chart.MONITORING_GROUP, f"{chart.MONITORING_GROUP}/ServiceMonitor",
+                     f"{chart.MONITORING_GROUP}/PodMonitor"]
+    assert crd_kinds(chart.template(sets={"monitoring.release": '"kps"'}, api_versions=monitors_only)) == [
+        "PodMonitor", "ServiceMonitor"]
+    assert crd_kinds(chart.template(sets={"monitoring.release": '"kps"'},
+                                    api_versions=[f"{chart.MONITORING_GROUP}/PrometheusRule"])) == ["PrometheusRule"]
     assert crd_kinds(with_crds(sets={"monitoring.enabled": "false"})) == []
     # The dashboards are plain ConfigMaps: they do not depend on the operator.
     assert [o for o in chart.find(chart.template(), "ConfigMap") if "grafana_dashboard" in o["metadata"]["labels"]]
@@ -221,11 +316,12 @@ def test_monitoring_objects_follow_the_clusters_capabilities():
         chart.template(sets={"monitoring.enabled": '"yes"'})
 
 
-def test_notes_say_why_monitoring_is_off_and_ask_for_the_release_label():
+def test_notes_say_why_monitoring_is_off_and_name_the_jobs():
     notes = chart.render_notes()
-    assert "the cluster does not serve monitoring.coreos.com/v1" in notes
+    assert "off: the cluster does not serve monitoring.coreos.com/v1/PrometheusRule" in notes
     on = chart.render_notes([chart.ci_value_sets()["async-budget"]])
-    assert "engine ServiceMonitor: on" in on and "No release label" not in on
+    assert "engine ServiceMonitor: on, job lookout-mooncake-lookout-engine" in on
+    assert "Labelled release=kube-prometheus-stack" in on
 
 
 def test_capacity_alert_follows_the_masters_eviction_watermark(tmp_path, promtool):

@@ -193,7 +193,8 @@ def test_held_answers_stay_younger_than_half_the_masters_lease(lease, ttl_set, t
 # -- store-only pods ----------------------------------------------------------------------------------------
 
 def test_store_pods_lend_memory_to_the_store_and_run_no_model():
-    objects = render(sets={"store.enabled": "true", "store.replicas": "3", "store.globalSegmentSize": '"24GB"'})
+    objects = render(sets={"store.enabled": "true", "store.replicas": "3", "store.globalSegmentSize": '"24GB"',
+                           "store.resources.limits.memory": '"26Gi"'})
     deployment = chart.one(objects, "Deployment", "-store")
     assert deployment["spec"]["replicas"] == 3
     c = container(objects, "Deployment", "-store")
@@ -206,7 +207,7 @@ def test_store_pods_lend_memory_to_the_store_and_run_no_model():
     for probe in ("livenessProbe", "readinessProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
     assert "nvidia.com/gpu" not in json.dumps(c["resources"])
-    assert c["resources"]["limits"]["memory"] == "18Gi"
+    assert c["resources"]["limits"]["memory"] == "26Gi"
     pdb = chart.one(objects, "PodDisruptionBudget", "-store")["spec"]
     assert selects(pdb["selector"], pod_labels(objects, "Deployment", "-store"))
     # Store pods are store clients: the master's policy lets them in.
@@ -238,11 +239,12 @@ def test_model_cache_pvc_is_created_kept_and_mounted_at_hf_home():
 
 
 def test_extra_volumes_and_mounts_reach_the_engine():
-    objects = render("pipelined")
-    spec = pod_spec(objects, "Deployment", "-engine")
-    assert {"name": "infiniband", "hostPath": {"path": "/dev/infiniband"}} in spec["volumes"]
-    assert {"name": "infiniband", "mountPath": "/dev/infiniband"} in container(objects, "Deployment", "-engine")[
-        "volumeMounts"]
+    volume = {"name": "templates", "configMap": {"name": "chat-templates"}}
+    mount = {"name": "templates", "mountPath": "/templates", "readOnly": True}
+    objects = render(sets={"engine.extraVolumes": json.dumps([volume]),
+                           "engine.extraVolumeMounts": json.dumps([mount])})
+    assert volume in pod_spec(objects, "Deployment", "-engine")["volumes"]
+    assert mount in container(objects, "Deployment", "-engine")["volumeMounts"]
 
 
 def test_hf_token_comes_from_a_secret_never_a_value():
@@ -279,7 +281,7 @@ def test_priority_runtime_class_and_spread_reach_the_pods():
     (spread,) = pod_spec(ha, "Deployment", "-master")["topologySpreadConstraints"]
     assert selects(spread["labelSelector"], pod_labels(ha, "Deployment", "-master"))
     assert not selects(spread["labelSelector"], pod_labels(ha, "Deployment", "-engine"))
-    assert pod_spec(ha, "Deployment", "-master")["priorityClassName"] == "system-cluster-critical"
+    assert pod_spec(ha, "Deployment", "-master")["priorityClassName"] == "mooncake-store"
     plain = pod_spec(render(), "Deployment", "-engine")
     assert not {"priorityClassName", "runtimeClassName", "topologySpreadConstraints"} & set(plain)
 
@@ -304,7 +306,7 @@ def test_network_policy_admits_other_releases_engines_to_master_and_etcd():
     assert extra["networkPolicy"]["extraClients"] == []
     (peer,) = [p for p in _rpc_peers(chart.one(objects, "NetworkPolicy", "-master")) if "namespaceSelector" in p]
     assert peer["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "team-b"}}
-    assert peer["podSelector"] == {"matchLabels": {"app.kubernetes.io/component": "engine"}}
+    assert peer["podSelector"] == {"matchLabels": {"app.kubernetes.io/part-of": "mooncake-lookout"}}
     # Another release's engine pod (different instance label, other namespace) matches that peer.
     other_engine = {**pod_labels(objects, "Deployment", "-engine"), "app.kubernetes.io/instance": "other"}
     assert selects(peer["podSelector"], other_engine)

@@ -26,6 +26,7 @@ from mooncake_lookout.connector.rigs.master import EmbeddedMaster, free_port
 from mooncake_lookout.connector.rigs.processes import ChildProcess
 from mooncake_lookout.connector.rigs.workload import shared_prefix_workload
 from mooncake_lookout.connector.server import LookupServer, ServerObserver
+from mooncake_lookout.connector.server.limits import Limits
 from mooncake_lookout.connector.server.prefix_index import PrefixIndex
 from mooncake_lookout.connector.server.store import open_store
 from mooncake_lookout.connector.wire import pipelined as p
@@ -364,7 +365,8 @@ def test_prometheus_observer_reports_catalogue_metrics(ctx: zmq.Context, filler:
                                                        index: PrefixIndex) -> None:
     reqs, expected = _fill(filler, 9)
     registry = CollectorRegistry()
-    with LookupServer(index, observers=[ServerMetrics(registry)]) as server:
+    limits = Limits(max_peer_bytes=123_456, max_total_keys=7_654_321)
+    with LookupServer(index, observers=[ServerMetrics(registry)], limits=limits) as server:
         sock = _dealer(ctx, server.address)
         for i, r in enumerate(reqs):
             sock.send_multipart(p.encode_lookup(i + 1, r.num_tokens, r.block_hashes))
@@ -380,6 +382,10 @@ def test_prometheus_observer_reports_catalogue_metrics(ctx: zmq.Context, filler:
     assert value(catalogue.SERVER_STORE_SECONDS.name + "_count") == calls
     assert value(catalogue.SERVER_QUEUE_DEPTH.name) == 0 and value(catalogue.SERVER_INFLIGHT.name) == 0
     assert value(catalogue.SERVER_STORE_ERRORS.name + "_total") == 0
+    assert value(catalogue.SERVER_WAITING_BYTES.name) == 0 and value(catalogue.SERVER_WAITING_KEYS.name) == 0
+    bounds = {(scope, measure): value(catalogue.SERVER_BOUNDS.name, {"scope": scope, "measure": measure})
+              for scope in catalogue.SERVER_BOUND_SCOPES for measure in catalogue.SERVER_BOUND_MEASURES}
+    assert bounds == limits.bounds() and bounds["peer", "bytes"] == 123_456 and bounds["total", "keys"] == 7_654_321
 
 
 def test_serve_command_with_embedded_master_answers_and_serves_metrics(tmp_path: Any) -> None:

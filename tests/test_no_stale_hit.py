@@ -46,6 +46,7 @@ from mooncake_lookout.connector.rigs.master import EmbeddedMaster
 from mooncake_lookout.connector.rigs.workload import chain_hashes
 from mooncake_lookout.connector.server import LookupServer
 from mooncake_lookout.connector.server.lease import check_lease
+from mooncake_lookout.connector.server.limits import Limits
 from mooncake_lookout.connector.server.prefix_index import PrefixIndex, StoreError
 from mooncake_lookout.connector.server.store import open_writer_store
 from mooncake_lookout.connector.transport import make_transport
@@ -55,7 +56,7 @@ BLOCK = 16
 LEASE_MS = 600  # the master's --default_kv_lease_ttl
 TTL_MS = 250  # lookup_answer_ttl_ms: the load keeps at least LEASE_MS - TTL_MS
 TIMEOUT_MS = 100  # lookup_timeout_ms
-MAX_PEER_LOOKUPS = 3  # the server's per-peer bound: a step of 4 or more lookups is turned away busy
+MAX_PEER_LOOKUPS = 3  # the server's per-peer bound: past it, a frame is turned away (busy, or bad_request alone)
 WAITS_MS = (0, 40, 100, 170)  # in steps of the trust window (TTL_MS), so that turns straddle it
 
 
@@ -197,7 +198,7 @@ class LookupPath(RuleBasedStateMachine):
         self.store = RecordingStore(self.world.server_store)
         self.index = PrefixIndex(self.store, BLOCK, self.namespace)
         self.filler = PrefixIndex(self.world.writer, BLOCK, self.namespace)  # also "another instance"
-        self.server = LookupServer(self.index, max_peer_lookups=MAX_PEER_LOOKUPS).start()
+        self.server = LookupServer(self.index, limits=Limits(max_peer_lookups=MAX_PEER_LOOKUPS)).start()
         self.config = LookupConfig(lookup_async=True, lookup_transport="pipelined", lookup_timeout_ms=self.timeout_ms,
                                    lookup_answer_ttl_ms=self.ttl_ms, lookup_breaker_failures=1000)
         self.witness = Witness()
@@ -272,7 +273,7 @@ class LookupPath(RuleBasedStateMachine):
         getattr(self, f"_{kind}")(pick)
 
     def _burst(self, pick: int) -> None:
-        """More arrivals in one step than the server takes from one peer: their frame is answered ``busy``."""
+        """More arrivals in one step than the server takes from one peer: their frame is turned away."""
         reqs = [self._new_request(i % 3, 1) for i in range(MAX_PEER_LOOKUPS + 1 + pick % 3)]
         for req in reqs:
             self._ask(req, non_block=True)

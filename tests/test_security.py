@@ -23,6 +23,7 @@ import pytest
 import zmq
 from prometheus_client import CollectorRegistry, generate_latest
 
+from mooncake_lookout.connector.cli.serve import add_serve_parser
 from mooncake_lookout.connector.cli.serve_security import ServeRefused, server_security
 from mooncake_lookout.connector.client import LookupClient
 from mooncake_lookout.connector.config import LookupConfig
@@ -32,6 +33,7 @@ from mooncake_lookout.connector.rigs.server_process import ServerProcess
 from mooncake_lookout.connector.rigs.workload import unique_hashes
 from mooncake_lookout.connector.server import LookupServer
 from mooncake_lookout.connector.server.admission import RESET_REFUSED
+from mooncake_lookout.connector.server.limits import Limits
 from mooncake_lookout.connector.server.listen import HARD_MAX_MESSAGE_BYTES
 from mooncake_lookout.connector.server.prefix_index import PrefixIndex
 from mooncake_lookout.connector.transport import make_transport
@@ -164,14 +166,14 @@ def test_serve_with_curve_keys_serves_an_allowed_client_and_lets_it_reset(serve,
 
 def test_only_an_open_tcp_address_without_curve_is_refused(tmp_path) -> None:
     server_public, server_secret = create_key_files(str(tmp_path), "server")
-    args = argparse.Namespace(curve_secret_key=None, curve_allowed_clients=None, insecure=False,
-                              max_peer_lookups=8, peer_share_keys=16)
+    args = _serve_args("--max-peer-lookups", "8", "--peer-share-keys", "16", "--max-peer-bytes", "1000000")
     for address in ("tcp://0.0.0.0:5570", "tcp://*:5570", "tcp://10.1.2.3:5570", "tcp://eth0:5570"):
         with pytest.raises(ServeRefused, match="without CURVE"):
             server_security(args, address)
     for address in (None, "ipc:///run/x/lookup.sock", "tcp://127.0.0.1:5570", "tcp://127.8.0.1:1", "tcp://[::1]:1",
                     "tcp://localhost:1"):
-        assert server_security(args, address) == {"curve": None, "max_peer_lookups": 8, "share_keys": 16}
+        assert server_security(args, address) == {
+            "curve": None, "limits": Limits(max_peer_lookups=8, share_keys=16, max_peer_bytes=1_000_000)}
     args.insecure = True
     assert server_security(args, "tcp://0.0.0.0:5570")["curve"] is None
     args.insecure, args.curve_secret_key, args.curve_allowed_clients = False, server_secret, server_public
@@ -179,6 +181,17 @@ def test_only_an_open_tcp_address_without_curve_is_refused(tmp_path) -> None:
     args.curve_allowed_clients = None
     with pytest.raises(ServeRefused, match="go together"):
         server_security(args, "tcp://127.0.0.1:5570")
+    for flags, message in ((("--max-peer-bytes", "0"), "max_peer_bytes must be at least 1"),
+                           (("--max-total-lookups", "10"), r"max_peer_lookups \(4096\) exceeds max_total_lookups")):
+        with pytest.raises(ServeRefused, match=message):
+            server_security(_serve_args(*flags), None)
+
+
+def _serve_args(*flags: str) -> argparse.Namespace:
+    """``serve``'s own parser, as the command line reads ``flags``."""
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    return parser.parse_args(["serve", "--embedded-master", *flags])
 
 
 def test_a_reset_over_plain_tcp_is_refused_and_the_store_is_untouched(prefix_index: PrefixIndex) -> None:

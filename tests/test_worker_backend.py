@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import zmq
 
 from mooncake_lookout.connector.client import LookupClient
 from mooncake_lookout.connector.config import LookupConfig
@@ -23,10 +24,11 @@ from mooncake_lookout.connector.rigs.scheduler_driver import make_kv_cache_confi
 from mooncake_lookout.connector.rigs.vllm_lookup_server import PrefixIndexStoreWorker
 from mooncake_lookout.connector.server import LookupServer
 from mooncake_lookout.connector.server.prefix_index import StoreError
-from mooncake_lookout.connector.server.store import open_store
+from mooncake_lookout.connector.server.store import open_store, open_writer_store
 from mooncake_lookout.connector.server.vllm_store_worker import lookup_worker, saved_keys
 from mooncake_lookout.connector.server.worker_backend import WorkerBackend, serve_pipelined
 from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
+from mooncake_lookout.connector.wire import pipelined as p
 
 BLOCK = 16
 
@@ -121,6 +123,80 @@ def test_a_store_error_is_an_error_not_a_miss(private_master: Any, make_hashes) 
         assert any(op["status"] == "error" for op in worker.kv_connector_stats.data.get("lookup_exists", []))
     finally:
         store.close()
+
+
+class Doomed:
+    """Our server over upstream's worker on a private master the test kills: a raw DEALER asks it frame by frame."""
+
+    def __init__(self, master: Any, server: LookupServer, sock: zmq.Socket) -> None:
+        self.master, self.server, self.sock = master, server, sock
+        self.frame_id = 0
+
+    def ask(self, frame: list[bytes]) -> p.Reply:
+        self.sock.send_multipart(frame)
+        assert self.sock.poll(30_000), "no reply within 30 s"
+        return p.decode_reply(self.sock.recv())
+
+    def lookup(self, hashes: list[bytes]) -> p.Reply:
+        self.frame_id += 1
+        return self.ask(p.encode_lookups(self.frame_id, [p.query(self.frame_id, len(hashes) * BLOCK + 1, hashes)]))
+
+    def reset(self) -> p.Reply:
+        self.frame_id += 1
+        return self.ask(p.encode_reset(self.frame_id))
+
+
+@pytest.fixture
+def doomed(private_master: Any) -> Iterator[Doomed]:
+    """A writer client of a private master (it lends the memory the marker needs), upstream's worker over it, our
+    server (keeping an epoch) and a DEALER at it."""
+    store = open_writer_store(private_master.rpc_address, rpc_timeout_ms=500)
+    ctx = zmq.Context()
+    try:
+        worker = lookup_worker(make_vllm_config({}), make_kv_cache_config(1024), store)
+        with LookupServer(WorkerBackend(worker)) as server:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(server.address)
+            yield Doomed(private_master, server, sock)
+    finally:
+        ctx.destroy(linger=0)
+        if not private_master.running:
+            private_master.start()  # the client's close unmounts its segment: quick with a master to answer
+        store.close()
+
+
+def test_a_marker_the_store_could_not_check_confirms_no_epoch(doomed: Doomed, make_hashes) -> None:
+    """The master killed (a real fault): the batch's marker check fails with the lookups, and its reply vouches for
+    no epoch (0), not for the one it could not check; the server keeps its marker. Restarted empty (a wipe), the
+    next batch finds the marker gone: a new epoch."""
+    hashes = make_hashes(4, seed=520)
+    epoch = doomed.server.epoch
+    assert epoch and doomed.lookup(hashes).epoch == epoch
+    doomed.master.kill()
+    dead = doomed.lookup(hashes)
+    assert dead.status == p.OK and dead.results[0].status == p.ERROR and "-900" in dead.results[0].reason
+    assert dead.epoch == 0, "a failed marker check vouched for the old epoch"
+    assert doomed.server.epoch == epoch  # nothing says the store was wiped: the marker is asked again next time
+    doomed.master.start()
+    deadline = time.monotonic() + 30
+    while (reply := doomed.lookup(hashes)).epoch in (0, epoch):  # until the client has remounted and the marker put
+        assert time.monotonic() < deadline, f"no new epoch after the master's restart: {reply}"
+        time.sleep(0.2)
+    assert reply.results[0].status == p.MISS and doomed.server.epoch == reply.epoch
+
+
+def test_a_wipe_the_store_refused_is_an_error_and_starts_no_epoch(doomed: Doomed) -> None:
+    """``remove_all`` returns -900 with the master killed (a real fault): the reset is answered an error naming it,
+    with epoch 0 (the wipe may or may not have happened: it vouches for nothing), and no new epoch starts."""
+    epoch = doomed.server.epoch
+    assert epoch and doomed.reset().status == p.OK  # a wipe that worked: a new epoch
+    epoch = doomed.server.epoch
+    doomed.master.kill()
+    refused = doomed.reset()
+    assert (refused.status, refused.epoch) == (p.ERROR, 0), refused
+    assert "remove_all failed with code -900" in refused.reason
+    assert doomed.server.epoch == epoch, "a failed wipe started a new epoch"
 
 
 def test_pipelined_server_starts_only_on_the_rank_that_serves_lookups(prefix_index, lookup_vllm_config,

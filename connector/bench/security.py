@@ -3,23 +3,27 @@
 1. **CURVE overhead**: blocking lookups (8 blocks, found) through our client over loopback TCP, plain and
    CURVE, interleaved one by one so both see the same machine; round trip p50/p99 of each, and of a frame
    of 256 lookups (where encryption works on more bytes).
-2. **A flooding peer**: one client (the *other*) makes blocking lookups one at a time, first alone
-   (unloaded), then while a flooding peer (:mod:`.flood`, a process of its own) keeps a window of lookups
-   in flight at the same server. Run with the server's per-peer bounds (``max_peer_lookups``,
-   ``share_keys``) at their defaults, and with them off (huge), so the difference is the bounds' doing;
-   and once with the flood sent to a *neighbour* server (same machine, same master), which shows what the
-   flood costs the other through the CPU alone. Reports the other's p50/p99 unloaded and under the flood,
-   their ratios, the flooder's busy share and the lookups it got answered per second.
+2. **A flooding peer**: a flooder (:mod:`.flood`, a process of its own) keeps a window of lookups in flight at
+   one server (*shared*); another peer (the *other*) makes blocking lookups one at a time, alternately at that
+   server and at a *control* server (a separate process on the same machine and master, which the flood does not
+   reach): both see the same flood on the same cores, lookup by lookup, so the control shows what the flood costs
+   the other through the machine alone, and the shared server's share on top of it. First both without the
+   flood (unloaded), then with it; in several rounds, each with fresh servers and a fresh flooder. Verdict per
+   round: the other was served every lookup, and its p99 at the shared server is at most
+   :data:`BOUND_P99_RATIO` x the control's. Then once with the server's bounds off (huge), so what the bounds
+   buy shows: the other's lookups wait behind the flood's backlog.
 
 Every server is a separate process (:class:`~..rigs.server_process.ServerProcess`), as in production.
 ``python -m mooncake_lookout.connector.bench.security [--quick] [--out DIR]`` prints a table and writes
-``security.json``. Numbers depend on the machine: on 2 shared cores the flooder, the server, the master and
-the measured client compete for the CPU, which a real deployment spreads over hosts.
+``security.json`` (commit it as ``docs/bench/security.json``: docs/security.md's figures are generated from it).
+Numbers depend on the machine: on 2 shared cores the flooder, the servers, the master and the measured client
+compete for the CPU, which a real deployment spreads over hosts.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -33,26 +37,30 @@ from dataclasses import dataclass
 from typing import Any
 
 from mooncake_lookout.connector.bench.rig import summary_us
+from mooncake_lookout.connector.rigs.machine import load_average, machine
+from mooncake_lookout.connector.server.limits import DEFAULT_LIMITS, UNBOUNDED
 
 BLOCKS = 8
 BLOCK_SIZE = 16
-BOUNDS_OFF = {"max_peer_lookups": 10**9, "share_keys": 10**9}
-NEIGHBOUR = "neighbour"  # the flood hits another server process on the same machine and master
-CASES: tuple[tuple[str, dict[str, Any]], ...] = (("bounds on", {}), ("bounds off", BOUNDS_OFF), (NEIGHBOUR, {}))
+BOUNDS_OFF = dataclasses.asdict(UNBOUNDED)  # server options: no bound at all
+BOUND_P99_RATIO = 1.5  # the other's p99 at the flooded server, at most this times its p99 at the control
+FLOOD = {"frame_lookups": 32, "hashes": 8}  # the flooder's frames (bench/flood.py's defaults)
 
 
 @dataclass(frozen=True)
 class Sizes:
-    """How much each part does."""
+    """How much each part does: lookups of the other per server and round, rounds, and the flooder's window."""
 
     curve_lookups: int
     curve_bursts: int
     flood_lookups: int
     flood_window: int
+    flood_rounds: int = 1
+    bounds_off_lookups: int = 50
 
 
-QUICK = Sizes(200, 10, 200, 8192)
-FULL = Sizes(2000, 50, 1000, 32_768)
+QUICK = Sizes(200, 10, 300, 8192, flood_rounds=1, bounds_off_lookups=50)
+FULL = Sizes(2000, 50, 2000, 32_768, flood_rounds=3, bounds_off_lookups=200)
 
 
 class Bench:
@@ -103,12 +111,9 @@ class Bench:
 
 
 def _timed_lookup(client: Any, req_id: str, hashes: Sequence[bytes]) -> float:
-    t0 = time.perf_counter()
-    result = client.lookup(req_id, BLOCKS * BLOCK_SIZE + 1, hashes)
-    seconds = time.perf_counter() - t0
-    client.discard(req_id)
-    if result.hit_length != BLOCKS * BLOCK_SIZE:
-        raise RuntimeError(f"lookup {req_id} was not a hit ({result}): the bench measures answered lookups")
+    seconds, served = _answered(client, req_id, hashes)
+    if not served:
+        raise RuntimeError(f"lookup {req_id} was not a hit: the bench measures answered lookups")
     return seconds
 
 
@@ -155,60 +160,120 @@ def curve_overhead(bench: Bench, sizes: Sizes) -> dict[str, Any]:
     return out
 
 
-def _other(bench: Bench, address: str, n: int, tag: str) -> list[float]:
-    client = bench.client(address, False)
-    try:
-        for i in range(20):
-            _timed_lookup(client, f"{tag}-warm-{i}", bench.prompts[i])
-        return [_timed_lookup(client, f"{tag}-{i}", bench.prompts[i % 256]) for i in range(n)]
-    finally:
-        client.close()
+def _answered(client: Any, req_id: str, hashes: Sequence[bytes]) -> tuple[float, bool]:
+    """Seconds of one blocking lookup, and whether it was served (a hit: every prompt is stored)."""
+    t0 = time.perf_counter()
+    result = client.lookup(req_id, BLOCKS * BLOCK_SIZE + 1, hashes)
+    seconds = time.perf_counter() - t0
+    client.discard(req_id)
+    return seconds, result.hit_length == BLOCKS * BLOCK_SIZE
 
 
-def _flooded(bench: Bench, address: str, sizes: Sizes, tag: str,
-             flood_address: str | None = None) -> tuple[list[float], dict[str, Any]]:
-    """The other's lookups at ``address`` while the flooder floods ``flood_address`` (default: the same server),
-    and the flooder's counts."""
+def _alternate(bench: Bench, clients: dict[str, Any], n: int, tag: str) -> dict[str, list[tuple[float, bool]]]:
+    """``n`` lookups of each client, alternating lookup by lookup (the first one alternates too)."""
+    names = list(clients)
+    out: dict[str, list[tuple[float, bool]]] = {name: [] for name in names}
+    for i in range(n):
+        for name in (names if i % 2 else names[::-1]):
+            out[name].append(_answered(clients[name], f"{tag}-{name}-{i}", bench.prompts[i % 256]))
+    return out
+
+
+def _flooder(address: str, window: int) -> Any:
+    """The flooding peer's process, in its steady state (its whole first window answered)."""
     from mooncake_lookout.connector.bench.flood import STEADY
     from mooncake_lookout.connector.rigs.processes import ChildProcess
 
-    flooder = ChildProcess([sys.executable, "-m", "mooncake_lookout.connector.bench.flood",
-                            "--address", flood_address or address, "--window", str(sizes.flood_window)],
-                           env=dict(os.environ, PYTHONUNBUFFERED="1"), name="flooder")
+    flooder = ChildProcess([sys.executable, "-m", "mooncake_lookout.connector.bench.flood", "--address", address,
+                            "--window", str(window), "--frame-lookups", str(FLOOD["frame_lookups"]),
+                            "--hashes", str(FLOOD["hashes"])], env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                           name="flooder")
     try:
         flooder.wait_line(STEADY, 120.0, "flood in its steady state")
-        seconds = _other(bench, address, sizes.flood_lookups, tag)
+    except Exception:
+        flooder.kill()
+        raise
+    return flooder
+
+
+def _stop(flooder: Any) -> dict[str, Any]:
+    """Stop the flooder; its counts (lookups answered ok, busy, otherwise; frames; seconds), with its busy share and
+    the lookups it got answered per second."""
+    try:
         os.kill(flooder.pid, signal.SIGTERM)
         line = flooder.wait_line(lambda ln: ln.startswith("{"), 30.0, "flooder counts")
         flooder.wait_exit(30.0)
     finally:
         flooder.kill()
-    return seconds, json.loads(line)
+    counts: dict[str, Any] = json.loads(line)
+    answered = counts["ok"] + counts["busy"] + counts["other"]
+    counts["busy_share"] = counts["busy"] / answered if answered else None
+    counts["ok_per_s"] = counts["ok"] / counts["seconds"] if counts["seconds"] else None
+    return counts
+
+
+def _summary(lookups: list[tuple[float, bool]]) -> dict[str, Any]:
+    return {**summary_us([seconds for seconds, _ in lookups]), "served": sum(ok for _, ok in lookups)}
+
+
+def flood_round(bench: Bench, sizes: Sizes, number: int) -> dict[str, Any]:
+    """One round: the other alternately at the shared and the control server, unloaded then under the flood."""
+    shared, control = bench.server(), bench.server()
+    clients = {"shared": bench.client(shared.address, False), "control": bench.client(control.address, False)}
+    try:
+        _alternate(bench, clients, 20, f"r{number}-warm")  # connections, the servers' first store calls
+        unloaded = _alternate(bench, clients, sizes.flood_lookups, f"r{number}-alone")
+        flooder = _flooder(shared.address, sizes.flood_window)
+        try:
+            flooded = _alternate(bench, clients, sizes.flood_lookups, f"r{number}-flood")
+        finally:
+            counts = _stop(flooder)
+    finally:
+        for client in clients.values():
+            client.close()
+        shared.close()
+        control.close()
+    row: dict[str, Any] = {"lookups": sizes.flood_lookups, "flooder": counts, "load": load_average()[0],
+                           "unloaded_us": {k: _summary(v) for k, v in unloaded.items()},
+                           "flood_us": {k: _summary(v) for k, v in flooded.items()}}
+    flood = row["flood_us"]
+    row["p99_ratio"] = flood["shared"]["p99"] / flood["control"]["p99"]
+    row["p50_ratio"] = flood["shared"]["p50"] / flood["control"]["p50"]
+    row["served_every_lookup"] = flood["shared"]["served"] == sizes.flood_lookups
+    row["met"] = row["served_every_lookup"] and row["p99_ratio"] <= BOUND_P99_RATIO
+    return row
+
+
+def bounds_off(bench: Bench, sizes: Sizes) -> dict[str, Any]:
+    """The other at a server with no bounds, unloaded then under the flood (what the bounds buy)."""
+    server = bench.server(**BOUNDS_OFF)
+    client = bench.client(server.address, False)
+    try:
+        _alternate(bench, {"off": client}, 20, "off-warm")
+        unloaded = _alternate(bench, {"off": client}, sizes.bounds_off_lookups, "off-alone")["off"]
+        flooder = _flooder(server.address, sizes.flood_window)
+        try:
+            flooded = _alternate(bench, {"off": client}, sizes.bounds_off_lookups, "off-flood")["off"]
+        finally:
+            counts = _stop(flooder)
+    finally:
+        client.close()
+        server.close()
+    return {"lookups": sizes.bounds_off_lookups, "flooder": counts, "unloaded_us": _summary(unloaded),
+            "flood_us": _summary(flooded)}
 
 
 def flood_fairness(bench: Bench, sizes: Sizes) -> dict[str, Any]:
-    """The other's latency alone and under a flood, with the server's per-peer bounds on (defaults) and off."""
-    from mooncake_lookout.connector.server.admission import DEFAULT_MAX_PEER_LOOKUPS, DEFAULT_SHARE_KEYS
-
-    defaults = {"max_peer_lookups": DEFAULT_MAX_PEER_LOOKUPS, "share_keys": DEFAULT_SHARE_KEYS}
-    out: dict[str, Any] = {"window": sizes.flood_window, "frame_lookups": 32, "hashes": 8, "bounds_on": defaults}
-    for case, options in CASES:
-        bench.log(f"  {case}: the other alone, then under the flood ...")
-        server = bench.server(**options)
-        neighbour = bench.server() if case == NEIGHBOUR else None
-        unloaded = _other(bench, server.address, sizes.flood_lookups, f"{case}-alone")
-        flooded, counts = _flooded(bench, server.address, sizes, f"{case}-flood",
-                                   neighbour.address if neighbour is not None else None)
-        for s in (server, neighbour):
-            if s is not None:
-                s.close()
-        answered = counts["ok"] + counts["busy"] + counts["other"]
-        row = {"unloaded_us": summary_us(unloaded), "flood_us": summary_us(flooded), "flooder": counts,
-               "flooder_busy_share": counts["busy"] / answered if answered else float("nan"),
-               "flooder_ok_per_s": counts["ok"] / counts["seconds"] if counts["seconds"] else float("nan")}
-        row["p99_ratio"] = row["flood_us"]["p99"] / row["unloaded_us"]["p99"]
-        row["p50_ratio"] = row["flood_us"]["p50"] / row["unloaded_us"]["p50"]
-        out[case] = row
+    """The rounds with the server's bounds at their defaults, then the run with them off; and the verdict."""
+    out: dict[str, Any] = {"window": sizes.flood_window, **FLOOD, "limits": dataclasses.asdict(DEFAULT_LIMITS),
+                           "bound_p99_ratio": BOUND_P99_RATIO, "rounds": []}
+    for number in range(1, sizes.flood_rounds + 1):
+        bench.log(f"  round {number} of {sizes.flood_rounds}: the other at the shared and the control server, "
+                  "alone then under the flood ...")
+        out["rounds"].append(flood_round(bench, sizes, number))
+    bench.log("  the bounds off: the other alone, then under the flood ...")
+    out["bounds_off"] = bounds_off(bench, sizes)
+    out["met"] = all(r["met"] for r in out["rounds"])
     return out
 
 
@@ -223,15 +288,24 @@ def table(results: dict[str, Any]) -> str:
     lines.append(f"{'added by CURVE (p50)':24}{c['single_us_added_p50']:>10.0f}{'':10}"
                  f"{c['frame256_us_added_p50']:>26.0f}")
     lines += ["", f"A flooding peer (window {f['window']} lookups in frames of {f['frame_lookups']}, "
-                  f"{f['hashes']} blocks each) vs another peer's blocking lookups",
-              f"{'':12}{'alone p50':>10}{'p99':>8}{'flood p50':>10}{'p99':>9}{'p50 x':>8}{'p99 x':>8}"
+                  f"{f['hashes']} blocks each) vs another peer's blocking lookups, at the flooded server (shared) "
+                  "and at a control server, alternately",
+              f"{'':14}{'alone p50':>10}{'p99':>8}{'flood p50':>10}{'p99':>9}{'served':>8}"
               f"{'flooder busy':>14}{'flooder ok/s':>14}"]
-    for case, _ in CASES:
-        r = f[case]
-        lines.append(f"{case:12}{r['unloaded_us']['p50']:>10.0f}{r['unloaded_us']['p99']:>8.0f}"
-                     f"{r['flood_us']['p50']:>10.0f}{r['flood_us']['p99']:>9.0f}"
-                     f" {r['p50_ratio']:>7.1f} {r['p99_ratio']:>7.1f}"
-                     f"{r['flooder_busy_share']:>14.1%}{r['flooder_ok_per_s']:>14.0f}")
+
+    def row(name: str, alone: dict[str, Any], flood: dict[str, Any], counts: dict[str, Any] | None) -> str:
+        busy = f"{counts['busy_share']:>14.1%}{counts['ok_per_s']:>14.0f}" if counts else ""
+        return (f"{name:14}{alone['p50']:>10.0f}{alone['p99']:>8.0f}{flood['p50']:>10.0f}{flood['p99']:>9.0f}"
+                f"{flood['served']:>8}{busy}")
+
+    for number, r in enumerate(f["rounds"], 1):
+        lines.append(row(f"{number} shared", r["unloaded_us"]["shared"], r["flood_us"]["shared"], r["flooder"]))
+        lines.append(row(f"{number} control", r["unloaded_us"]["control"], r["flood_us"]["control"], None))
+        lines.append(f"{'':14}p99 shared / control {r['p99_ratio']:.2f} (bound {f['bound_p99_ratio']:g}), p50 "
+                     f"{r['p50_ratio']:.2f}, served every lookup: {r['served_every_lookup']}, load {r['load']:.1f}: "
+                     f"{'met' if r['met'] else 'MISSED'}")
+    off = f["bounds_off"]
+    lines.append(row("bounds off", off["unloaded_us"], off["flood_us"], off["flooder"]))
     return "\n".join(lines)
 
 
@@ -240,7 +314,7 @@ def run(out_dir: str, *, quick: bool = False, log: Callable[[str], None] = print
     """Both parts; writes ``security.json`` and ``security.txt`` to ``out_dir``; returns the results."""
     sizes = sizes or (QUICK if quick else FULL)
     t0 = time.perf_counter()
-    results: dict[str, Any] = {"quick": quick}
+    results: dict[str, Any] = {"quick": quick, "machine": machine()}
     with ExitStack() as stack:
         log("starting a Mooncake master ...")
         bench = Bench(stack, log)
@@ -249,6 +323,7 @@ def run(out_dir: str, *, quick: bool = False, log: Callable[[str], None] = print
         log("a flooding peer ...")
         results["flood"] = flood_fairness(bench, sizes)
     results["seconds"] = time.perf_counter() - t0
+    results["machine"]["loadavg_at_end"] = load_average()
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "security.json"), "w") as f:
         json.dump(results, f, indent=1)
@@ -270,7 +345,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["FULL", "QUICK", "Sizes", "curve_overhead", "flood_fairness", "main", "run", "table"]
+__all__ = ["BOUND_P99_RATIO", "FULL", "QUICK", "Sizes", "bounds_off", "curve_overhead", "flood_fairness",
+           "flood_round", "main", "run", "table"]
 
 if __name__ == "__main__":
     sys.exit(main())

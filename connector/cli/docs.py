@@ -23,7 +23,12 @@ this module rewrites each (or, with ``--check``, lists the stale ones and exits 
   ``mooncake-lookout demo --duration small``;
 * ``soak-summary`` (README) and ``soak-table`` (docs/reliability.md): from the committed soaks
   ``docs/bench/soak-T.json``, what ``python -m mooncake_lookout.connector.rigs.soak --transport T --json``
-  printed (:mod:`~mooncake_lookout.connector.bench.soak_tables`).
+  printed (:mod:`~mooncake_lookout.connector.bench.soak_tables`);
+* ``server-bounds`` (docs/security.md): the lookup server's bounds and their ``serve`` flags, from
+  :class:`~mooncake_lookout.connector.server.limits.Limits`;
+* ``bench-security-curve`` and ``bench-security-flood`` (docs/security.md): from the committed security run
+  ``docs/bench/security.json``, what ``python -m mooncake_lookout.connector.bench.security`` wrote
+  (:mod:`~mooncake_lookout.connector.bench.security_tables`).
 
 Tests run ``--check``, so a block that drifts from its source fails the suite.
 """
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import json
 import sys
 from collections.abc import Callable, Iterator
@@ -39,9 +45,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mooncake_lookout.connector.bench import doc_tables, soak_tables
+from mooncake_lookout.connector.bench import doc_tables, security_tables, soak_tables
 from mooncake_lookout.connector.bench.records import Run, load_demo, load_runs, load_soaks
 from mooncake_lookout.connector.config import KEYS
+from mooncake_lookout.connector.server.limits import Limits, flag_of
 from mooncake_lookout.connector.vllm_version import supported_range
 from mooncake_lookout.metrics import catalogue
 from mooncake_lookout.metrics.catalogue import CATALOGUE, SECONDS_BUCKETS, MetricSpec
@@ -142,6 +149,14 @@ def render_values_table(schema: dict[str, Any]) -> str:
         default = json.dumps(sub.get("default"), separators=(", ", ": "))
         rows.append(f"| `{path}` | {_cell(_schema_kind(sub))} | `{_cell(default)}` | "
                     f"{_cell(sub.get('description', ''))} |")
+    return "\n".join(rows) + "\n"
+
+
+def render_server_bounds() -> str:
+    """docs/security.md's table of the lookup server's bounds: one row per field of :class:`Limits`."""
+    rows = ["| `serve` flag | default | what it bounds |", "| --- | --- | --- |"]
+    for f in dataclasses.fields(Limits):
+        rows.append(f"| `{flag_of(f.name)}` | {f.default:,} | {f.metadata['help']} |")
     return "\n".join(rows) + "\n"
 
 
@@ -297,6 +312,11 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/bench-results.md", "bench-reports", _bench(doc_tables.render_reports)),
     Block("README.md", "soak-summary", lambda root: soak_tables.render_soak_summary(load_soaks(root))),
     Block("docs/reliability.md", "soak-table", lambda root: soak_tables.render_soak_table(load_soaks(root))),
+    Block("docs/security.md", "server-bounds", lambda root: render_server_bounds()),
+    Block("docs/security.md", "bench-security-curve",
+          lambda root: security_tables.render_security_curve(security_tables.load_security(root))),
+    Block("docs/security.md", "bench-security-flood",
+          lambda root: security_tables.render_security_flood(security_tables.load_security(root))),
 )
 
 
@@ -337,8 +357,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = ["BLOCKS", "Block", "extract", "main", "package_edges", "render_config_table", "render_demo_help",
-           "render_flags", "render_metrics_table", "render_package_graph", "render_values_table",
-           "render_vllm_versions", "schema_leaves", "splice", "stale_blocks"]
+           "render_flags", "render_metrics_table", "render_package_graph", "render_server_bounds",
+           "render_values_table", "render_vllm_versions", "schema_leaves", "splice", "stale_blocks"]
 
 if __name__ == "__main__":
     sys.exit(main())

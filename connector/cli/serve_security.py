@@ -1,4 +1,4 @@
-"""``serve``'s security options: CURVE keys, the refusal of an open TCP port, and the per-peer bounds.
+"""``serve``'s security options: CURVE keys, the refusal of an open TCP port, and the bounds on what may wait.
 
 Why a module of its own: ``serve`` grows other options (back-ends, layouts); who may talk to the server is
 one job, kept here. :func:`add_security_arguments` adds the flags; :func:`server_security` turns them into
@@ -13,7 +13,7 @@ import argparse
 from typing import Any
 
 from mooncake_lookout.connector.curve import CurveKeyError, ServerCurve
-from mooncake_lookout.connector.server.admission import DEFAULT_MAX_PEER_LOOKUPS, DEFAULT_SHARE_KEYS
+from mooncake_lookout.connector.server.limits import add_limit_arguments, limits_from_args
 from mooncake_lookout.connector.server.listen import exposure
 
 FIX = "give --curve-secret-key and --curve-allowed-clients, or --insecure to accept that risk"
@@ -24,7 +24,7 @@ class ServeRefused(RuntimeError):
 
 
 def add_security_arguments(p: argparse.ArgumentParser) -> None:
-    """Add the CURVE, ``--insecure`` and per-peer flags to ``serve``'s parser."""
+    """Add the CURVE, ``--insecure`` and bounds flags to ``serve``'s parser."""
     g = p.add_argument_group("who may talk to the server (docs/security.md)")
     g.add_argument("--curve-secret-key", metavar="FILE",
                    help="the server's CURVE key pair, a zmq.auth secret certificate (server.key_secret): clients must "
@@ -35,12 +35,9 @@ def add_security_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--insecure", action="store_true",
                    help="listen on a TCP address beyond loopback without CURVE (anyone who reaches it can flood "
                         "the store with lookups and probe what is cached; reset stays refused on plain TCP)")
-    g.add_argument("--max-peer-lookups", type=int, default=DEFAULT_MAX_PEER_LOOKUPS, metavar="N",
-                   help="lookups one peer (ZMQ connection; with CURVE, client key) may have waiting in the server; "
-                        f"past it its frames are answered busy (default {DEFAULT_MAX_PEER_LOOKUPS})")
-    g.add_argument("--peer-share-keys", type=int, default=DEFAULT_SHARE_KEYS, metavar="N",
-                   help="store keys of one peer per store call (whole frames, at least one), so a flood is spread "
-                        f"over turns and others wait for one share (default {DEFAULT_SHARE_KEYS})")
+    bounds = p.add_argument_group("what may wait in the server, per peer (ZMQ connection; with CURVE, client key) "
+                                  "and in all: past a bound a frame is answered busy (docs/security.md)")
+    add_limit_arguments(bounds)
 
 
 def server_security(args: argparse.Namespace, address: str | None) -> dict[str, Any]:
@@ -48,8 +45,10 @@ def server_security(args: argparse.Namespace, address: str | None) -> dict[str, 
     if bool(args.curve_secret_key) != bool(args.curve_allowed_clients):
         raise ServeRefused("--curve-secret-key and --curve-allowed-clients go together (the server's key pair, and "
                            "the clients it admits)")
-    if args.max_peer_lookups < 1 or args.peer_share_keys < 1:
-        raise ServeRefused("--max-peer-lookups and --peer-share-keys must be at least 1")
+    try:
+        limits = limits_from_args(args)
+    except ValueError as e:
+        raise ServeRefused(f"bad bound: {e}") from None
     curve = None
     if args.curve_secret_key:
         try:
@@ -59,7 +58,7 @@ def server_security(args: argparse.Namespace, address: str | None) -> dict[str, 
     risk = exposure(address or "", curve, FIX)
     if risk is not None and not args.insecure:
         raise ServeRefused(risk)
-    return {"curve": curve, "max_peer_lookups": args.max_peer_lookups, "share_keys": args.peer_share_keys}
+    return {"curve": curve, "limits": limits}
 
 
 __all__ = ["FIX", "ServeRefused", "add_security_arguments", "server_security"]

@@ -34,6 +34,7 @@ SIGUSR2, ``store calls=N keys=M`` after SIGWINCH, and stops on SIGTERM or SIGINT
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import signal
@@ -45,6 +46,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mooncake_lookout.connector.rigs.processes import ChildProcess, freeze, thaw
+from mooncake_lookout.connector.server.limits import Limits, add_limit_arguments, flag_of, limits_from_args
 from mooncake_lookout.connector.transport.names import PIPELINED, TRANSPORTS, UPSTREAM
 
 CHILD_MODULE = "mooncake_lookout.connector.rigs.server_process"  # this module, run as the child
@@ -56,9 +58,9 @@ DELAY_OFF_SIGNAL = signal.SIGUSR2
 # the child before the handler is installed does no harm.
 COUNTS_SIGNAL = signal.SIGWINCH
 COUNTS_PREFIX = "store calls="
-# ServerProcess(server_options=...) names -> the child's flags
+# ServerProcess(server_options=...) names -> the child's flags: CURVE's, and one per field of server.limits.Limits
 _SERVER_OPTIONS = {"curve_secret_key": "--curve-secret-key", "curve_allowed_clients": "--curve-allowed-clients",
-                   "max_peer_lookups": "--max-peer-lookups", "share_keys": "--share-keys"}
+                   **{f.name: flag_of(f.name) for f in dataclasses.fields(Limits)}}
 
 
 def parse_ready_line(line: str) -> dict[str, str]:
@@ -87,7 +89,9 @@ class ServerProcess:
     ``store_rpc_timeout_ms`` bounds one store call in the child when the master stalls (None: Mooncake's
     30 s). ``start_timeout_s`` bounds the wait for the ready line (an upstream child imports vLLM: 10-15 s).
     ``server_options`` (pipelined only): more ``LookupServer`` settings, as ``curve_secret_key`` and
-    ``curve_allowed_clients`` (key files: a CURVE server), ``max_peer_lookups`` and ``share_keys``.
+    ``curve_allowed_clients`` (key files: a CURVE server), and the fields of
+    :class:`~mooncake_lookout.connector.server.limits.Limits` (``max_peer_lookups``, ``max_peer_bytes``, ...,
+    ``share_keys``).
 
     ``layout`` (a :class:`~.vllm_layout.Layout`, block size from ``block_size``): answer for a vLLM
     deployment's keys from upstream's own worker, through a read-only store client; no injected delay.
@@ -321,8 +325,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
                         "that can put it, and with --vllm-model a worker store that is not read-only")
     p.add_argument("--curve-secret-key", default=None, help="pipelined: the server's CURVE key pair file")
     p.add_argument("--curve-allowed-clients", default=None, help="pipelined: the CURVE client keys admitted")
-    p.add_argument("--max-peer-lookups", type=int, default=None, help="pipelined: lookups one peer may have waiting")
-    p.add_argument("--share-keys", type=int, default=None, help="pipelined: keys of one peer per store call")
+    add_limit_arguments(p.add_argument_group("pipelined: what may wait in the server"))
     p.add_argument("--wait-go", action="store_true",
                    help="standby: import everything, print 'ready', then wait for a line on stdin before serving")
     return p.parse_args(argv)
@@ -345,10 +348,7 @@ def _start_servers(args: argparse.Namespace, backend: Any, worker: Any = None) -
             from mooncake_lookout.connector.curve import ServerCurve
 
             options["curve"] = ServerCurve.from_files(args.curve_secret_key, args.curve_allowed_clients)
-        if args.max_peer_lookups is not None:
-            options["max_peer_lookups"] = args.max_peer_lookups
-        if args.share_keys is not None:
-            options["share_keys"] = args.share_keys
+        options["limits"] = limits_from_args(args)
         # Over a deployment's store (``worker``) the server keeps no epoch marker unless asked: it is a write.
         servers[PIPELINED] = LookupServer(backend, args.address or None, marker=worker is None or args.keep_epoch,
                                           **options).start()

@@ -6,7 +6,8 @@ shared master (both remove every key, leased or not), or a master restart (the i
 The server keeps one key of its own in the store and asks for it in the same ``batch_is_exist`` as each
 batch of lookups (one key more per batch). When it is gone, the server puts a new one under a new random
 epoch; every reply carries the epoch, so clients learn of the wipe from their next reply. Epoch 0 means
-the server keeps no marker (the store refused it): clients must not cache then.
+the server keeps no marker (the store refused it), or a reply's store call could not check it (a store error):
+either way the reply vouches for no epoch, and clients must not trust or cache blocks on its word.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
@@ -69,11 +72,64 @@ class EpochMarker:
         self.renewals += 1
         return self.epoch
 
-    def seen(self, code: Any) -> None:
-        """The marker's code from a batch: 1 present, 0 gone (the store was wiped), else a store error."""
+    def seen(self, code: Any) -> int:
+        """The marker's code from a batch: 1 present, 0 gone (the store was wiped), else a store error (a negative
+        code, or the exception the call met). Returns the epoch the batch's answers confirm: the kept one when
+        the marker was there, a new one (or 0, if the store refused it) after a wipe, and 0 after an error: a
+        check that failed says nothing of a wipe since, so it vouches for no epoch."""
+        if code == 1:
+            return self.epoch
         if code == 0:
             logger.info("the store was wiped (marker gone): new epoch for the clients' caches")
-            self.renew()
+            return self.renew()
+        logger.debug("the store could not check the marker (%r): this batch confirms no epoch", code)
+        return 0
 
 
-__all__ = ["EpochMarker", "MarkerStore", "RETRY_S"]
+# One lookup as the server asks it: num_tokens, hashes, blocks the client knows present, the epoch they were found in
+Query = tuple[int, Sequence[bytes], int, int]
+
+
+def ask_with_marker(marker: EpochMarker | None, lookup_many: Callable[..., Sequence[Any]],
+                    queries: Sequence[Query]) -> tuple[list[Any], int]:
+    """A backend's ``lookup_many`` for ``queries`` with the marker asked in the same call; the results and the
+    epoch they confirm (0: none).
+
+    A client's known blocks count only if found in the epoch the marker stands for, and only if the marker is
+    still there (no wipe since): else the batch is asked again from scratch. A marker found gone starts a new
+    epoch (the answers are in it); a marker the store could not check (an error code) confirms nothing: epoch 0,
+    so clients trust no block of the old epoch on this reply's word.
+    """
+    if marker is not None:
+        marker.ensure(time.perf_counter())
+    if marker is None or marker.key is None:  # no epoch kept: nothing a client knows can be trusted
+        return list(lookup_many([(n, h, 0) for n, h, _, _ in queries])), 0
+    epoch = marker.epoch
+    results = list(lookup_many([(n, h, k if e == epoch else 0) for n, h, k, e in queries], [marker.key]))
+    if len(results) != len(queries) + 1:
+        raise RuntimeError(f"backend returned {len(results)} results for {len(queries)} lookups")
+    code = results.pop()
+    confirmed = marker.seen(code)
+    if code != 1 and any(k and e == epoch for _, _, k, e in queries):
+        # Wiped (the marker is gone) or unknown (the store failed): what the clients know cannot be trusted.
+        results = list(lookup_many([(n, h, 0) for n, h, _, _ in queries]))
+    return results, confirmed
+
+
+def chunks(queries: Sequence[Query], max_hashes: int) -> Iterator[list[Query]]:
+    """``queries`` split so no store call asks more than ``max_hashes`` keys (one lookup per call at least): each
+    chunk is one :func:`ask_with_marker`, whose marker code vouches for that chunk alone."""
+    chunk: list[Query] = []
+    hashes = 0
+    for q in queries:
+        asked = len(q[1]) - q[2]
+        if chunk and hashes + asked > max_hashes:
+            yield chunk
+            chunk, hashes = [], 0
+        chunk.append(q)
+        hashes += asked
+    if chunk:
+        yield chunk
+
+
+__all__ = ["EpochMarker", "MarkerStore", "Query", "RETRY_S", "ask_with_marker", "chunks"]

@@ -49,12 +49,14 @@ class Reset:
 
 @dataclass(eq=False)
 class Refusal:
-    """A message turned away: the reply that says why, the ``server_requests`` status and the lookups it counts."""
+    """A message turned away: the reply that says why, the ``server_requests`` status and the lookups it counts;
+    ``later``: the reply is held, to go at its peer's next turn (:mod:`.pacing`)."""
 
     envelope: list[bytes]
     reply: bytes
     status: str = protocol.BAD_REQUEST
     count: int = 1
+    later: bool = False
 
 
 Work = Union[Frame, UpstreamLookup, Reset]

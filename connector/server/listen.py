@@ -16,11 +16,16 @@ from typing import Any
 import zmq
 
 from mooncake_lookout.connector.curve import ServerCurve
+from mooncake_lookout.connector.wire.pipelined import MAX_BODY_BYTES
 
-# ZMQ drops (and disconnects) a peer sending a message above this: a memory guard well above the limits
-# the protocol answers with an error (MAX_BODY_BYTES), so oversized frames still get their error reply.
-HARD_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-HWM = 100_000  # messages queued per peer and direction; past it ZMQ holds off reading (or drops replies)
+# ZMQ drops (and disconnects) a peer sending a message part above this: a memory guard above the limit the
+# protocol answers with an error (MAX_BODY_BYTES), so a frame a little over it still gets its error reply.
+HARD_MAX_MESSAGE_BYTES = MAX_BODY_BYTES + (1 << 20)
+HWM = 100_000  # replies queued per peer; past it ZMQ drops them (the peer does not read)
+# Messages ZMQ reads ahead per connection while the loop is busy (in a store call): past it, it holds off reading
+# and the rest wait in the kernel and at the peer. Bounds what a connection holds in the server before the
+# admission's bounds see it: RECV_HWM + 1 messages, each part at most HARD_MAX_MESSAGE_BYTES.
+RECV_HWM = 8
 LOOPBACK_HOSTS = ("localhost", "::1", "[::1]", "lo")
 
 
@@ -50,7 +55,7 @@ def bind_router(address: str, curve: ServerCurve | None) -> Listener:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, HARD_MAX_MESSAGE_BYTES)
     sock.setsockopt(zmq.SNDHWM, HWM)
-    sock.setsockopt(zmq.RCVHWM, HWM)
+    sock.setsockopt(zmq.RCVHWM, RECV_HWM)
     listener = Listener(ctx, sock, address)
     try:
         if curve is not None:
@@ -87,4 +92,5 @@ def resets_allowed(address: str, curve: object | None) -> bool:
     return curve is not None or address.startswith(("ipc://", "inproc://"))
 
 
-__all__ = ["HARD_MAX_MESSAGE_BYTES", "HWM", "Listener", "bind_router", "exposure", "is_loopback", "resets_allowed"]
+__all__ = ["HARD_MAX_MESSAGE_BYTES", "HWM", "Listener", "RECV_HWM", "bind_router", "exposure", "is_loopback",
+           "resets_allowed"]

@@ -14,10 +14,11 @@ malformed frame. This server
   keeps serving;
 * fences ``reset``: lookups received before it are answered first, lookups received after it wait until
   it is done (frames are handled in arrival order), so no lookup straddles a wipe;
-* decides who gets what (:mod:`.admission`): a bound on each peer's waiting lookups (``busy`` past it), a
-  share of each store call per peer (a flood is spread over turns), and ``reset`` only where a peer may wipe the store
-  (IPC, or CURVE: every peer authenticated). With ``curve`` the socket is a CURVE server and pyzmq's ZAP
-  handler (:mod:`.auth`) admits only the allowed client keys.
+* decides who gets what (:mod:`.admission`): bounds on what waits, per peer and in all, in lookups, keys and
+  bytes (``busy`` past one), a share of each store call per peer (a flood is spread over turns), paced turns
+  for peers past a bound (:mod:`.pacing`), and ``reset`` only where a peer may wipe the store (IPC, or CURVE:
+  every peer authenticated). With ``curve`` the socket is a CURVE server and pyzmq's ZAP handler
+  (:mod:`.auth`) admits only the allowed client keys.
 
 Threads: the loop's thread owns the socket. ``close()`` from any thread sets a flag and wakes the loop,
 which closes its own socket. Observers are called on the loop's thread.
@@ -26,12 +27,13 @@ which closes its own socket. Observers are called on the loop's thread.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, cast
 
 import zmq
@@ -39,10 +41,12 @@ import zmq
 from mooncake_lookout.connector.addresses import prepare_ipc_path
 from mooncake_lookout.connector.logs import RateLimit
 from mooncake_lookout.connector.server import intake, listen
-from mooncake_lookout.connector.server.admission import DEFAULT_MAX_PEER_LOOKUPS, DEFAULT_SHARE_KEYS, Admission
+from mooncake_lookout.connector.server.admission import Admission
 from mooncake_lookout.connector.server.backend import LookupBackend, as_result, failed, failure_reason
-from mooncake_lookout.connector.server.epoch import EpochMarker, MarkerStore
+from mooncake_lookout.connector.server.epoch import EpochMarker, MarkerStore, ask_with_marker, chunks
+from mooncake_lookout.connector.server.epoch import Query as _Query
 from mooncake_lookout.connector.server.lease import LeaseProbe
+from mooncake_lookout.connector.server.limits import DEFAULT_LIMITS, Limits
 from mooncake_lookout.connector.server.observer import ServerObserver, ServerObserverSet, ServerStats
 from mooncake_lookout.connector.waker import Waker
 from mooncake_lookout.connector.wire import pipelined as protocol
@@ -56,8 +60,6 @@ _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: pyzmq's enums
 
 RECV_BURST = 4096  # frames read per turn of the loop before they are answered
 BUSY_BURST = 16  # frames turned away busy per turn: past it the turn answers, so a flood cannot stretch it
-# num_tokens, hashes, blocks the client knows are present, the store's epoch they were found in
-_Query = tuple[int, Sequence[bytes], int, int]
 
 
 
@@ -66,26 +68,27 @@ class LookupServer:
     """Serves lookups for ``backend`` on ``address`` (``ipc://PATH``, ``tcp://HOST:PORT``; ``None``: a private IPC dir).
 
     ``max_batch_hashes``: the most block hashes asked in one store call (a larger batch is split).
-    ``curve``: serve CURVE clients of its allow-list only. ``max_peer_lookups``: lookups one peer may have
-    waiting (``busy`` past it); ``share_keys``: store keys of one peer per batch (whole frames, at least one).
+    ``curve``: serve CURVE clients of its allow-list only. ``limits``: what may wait in the server, per peer and
+    in all (lookups, store keys, bytes; ``busy`` past a bound), and each peer's share of a turn (:mod:`.limits`).
     Use as a context manager, or call :meth:`start` and :meth:`close`.
     """
 
     def __init__(self, backend: LookupBackend, address: str | None = None, *, max_batch_hashes: int = 65_536,
                  observers: Iterable[ServerObserver] = (), marker: bool = True,
                  lease_window_s: float | None = None, curve: ServerCurve | None = None,
-                 max_peer_lookups: int = DEFAULT_MAX_PEER_LOOKUPS, share_keys: int = DEFAULT_SHARE_KEYS) -> None:
+                 limits: Limits = DEFAULT_LIMITS) -> None:
         self.backend = backend
         # The store's epoch (server/epoch.py): kept when the backend can hold a marker key; with
         # ``lease_window_s``, only once the master's key lease is known to cover it (server/lease.py).
-        keeps_marker = marker and callable(getattr(backend, "put_marker", None))
+        self._batching = callable(getattr(backend, "lookup_many", None))
+        # A marker is asked in the batches' store calls: a backend without ``lookup_many`` never checks one.
+        keeps_marker = marker and self._batching and callable(getattr(backend, "put_marker", None))
         self._marker = EpochMarker(cast(MarkerStore, backend)) if keeps_marker else None
         self._lease_window_s = lease_window_s
         self.lease_probe: LeaseProbe | None = None
         self.max_batch_hashes = max_batch_hashes
         self.stats = ServerStats()
         self._observe = ServerObserverSet([self.stats, *observers])
-        self._batching = callable(getattr(backend, "lookup_many", None))
         self._requested_address = address
         self._address: str | None = None
         self._private_dir: str | None = None
@@ -98,7 +101,7 @@ class LookupServer:
         self._log_limit = RateLimit(10.0)
         self.curve = curve
         self._listener: listen.Listener | None = None
-        self._admission = Admission(max_peer_lookups=max_peer_lookups, share_keys=share_keys, curve=curve is not None)
+        self._admission = Admission(limits=limits, curve=curve is not None)
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
     @property
@@ -137,6 +140,7 @@ class LookupServer:
             store = getattr(self.backend, "store", None)
             self.lease_probe = LeaseProbe(store, cast(MarkerStore, self.backend).marker_key(""), window_s,
                                           self._marker.trust)
+        self._observe.bounds(self._admission.limits.bounds())
         self._waker = Waker()
         self._thread = threading.Thread(target=self._loop, name="lookout-server", daemon=True)
         self._thread.start()
@@ -197,24 +201,40 @@ class LookupServer:
         admission = self._admission
         while not self._stop:
             try:
-                events = dict(poller.poll(0 if admission else 1000))  # work left over: answer it, then look again
+                wait = admission.wait_s(time.perf_counter())  # work ready: answer it, then look again
+                events = dict(poller.poll(1000 if wait is None else math.ceil(wait * 1000)))
                 if waker.fd in events:
                     waker.clear()
                 if self._stop:
                     break
                 if sock in events:
                     self._receive()
-                if admission:
-                    for batch in admission.take():
-                        self._answer(batch)
-                    self._observe.queue_depth(admission.depth)
+                now = time.perf_counter()
+                if admission.ready(now):
+                    self._turn(now)
             except Exception:  # one bad frame or reply must not stop the server
                 logger.exception("lookup server loop failed")
         # Closing: what is already queued gets an error reply at once, not a client-side timeout.
         self._receive()
+        for refusal in admission.pacer.drain():
+            self._reply(refusal)
         for item in admission.drain():
             self._refuse(item, "lookup server shutting down")
         sock.close(linger=0)
+
+    def _turn(self, now: float) -> None:
+        """Answer what may be answered: the flooding peers' held replies and shares only when their turn is due."""
+        admission = self._admission
+        flood = admission.flood_turn(now)
+        if flood:
+            for refusal in admission.pacer.release():
+                self._reply(refusal)
+        for batch in admission.take(flood):
+            self._answer(batch)
+        if flood:
+            end = time.perf_counter()
+            admission.pacer.turn_took(end - now, end)
+        self._report_waiting()
 
     def _receive(self) -> None:
         """Take in every frame that is ready (up to :data:`RECV_BURST`, or :data:`BUSY_BURST` turned away busy)."""
@@ -232,13 +252,18 @@ class LookupServer:
                 break
             refusal = admission.take_in(frames)
             if refusal is not None:
-                self._observe.answered(refusal.status, refusal.count)
-                self._send(refusal.envelope, refusal.reply)
+                if not refusal.later:
+                    self._reply(refusal)
                 if refusal.status == protocol.BUSY:
                     busy += 1
                     if busy >= BUSY_BURST:
                         break
-        self._observe.queue_depth(admission.depth)
+        self._report_waiting()
+
+    def _report_waiting(self) -> None:
+        total = self._admission.total
+        self._observe.queue_depth(total.lookups)
+        self._observe.waiting(total.keys, total.bytes)
 
     # -- answering -------------------------------------------------------------------------------------------
     def _answer(self, work: list[intake.Work]) -> None:
@@ -263,19 +288,23 @@ class LookupServer:
         if not queries:
             return
         results: list[Any] = []
-        for chunk in self._chunks(queries):
-            results.extend(self._call_store(chunk))
+        epochs: list[int] = []  # per query: the epoch its store call vouched for (0: none)
+        for chunk in chunks(queries, self.max_batch_hashes):
+            answers, epoch = self._call_store(chunk)
+            results.extend(answers)
+            epochs.extend([epoch] * len(chunk))
         at = 0
         for item in items:
             if isinstance(item, intake.Frame):
                 n = len(item.queries)
                 answers = results[at:at + n]
+                vouched = set(epochs[at:at + n])  # a frame over several calls: one epoch they all confirmed
                 at += n
                 for answer in answers:
                     self._observe.answered("error" if failed(answer) else "ok")
                 self._send(item.envelope, protocol.encode_reply(
                     item.frame_id, [protocol.result_of(q.lookup_id, as_result(a))
-                                    for q, a in zip(item.queries, answers)], self.epoch))
+                                    for q, a in zip(item.queries, answers)], vouched.pop() if len(vouched) == 1 else 0))
             else:
                 answer = results[at]
                 at += 1
@@ -291,29 +320,17 @@ class LookupServer:
         """The store's epoch as this server last saw it (0: no marker kept, clients must not cache)."""
         return self._marker.epoch if self._marker is not None else 0
 
-    def _chunks(self, queries: list[_Query]) -> Iterable[list[_Query]]:
-        """Split ``queries`` so no store call asks more than ``max_batch_hashes`` keys (one per lookup at least)."""
-        chunk: list[_Query] = []
-        hashes = 0
-        for q in queries:
-            asked = len(q[1]) - q[2]
-            if chunk and hashes + asked > self.max_batch_hashes:
-                yield chunk
-                chunk, hashes = [], 0
-            chunk.append(q)
-            hashes += asked
-        if chunk:
-            yield chunk
-
-    def _call_store(self, queries: list[_Query]) -> list[Any]:
+    def _call_store(self, queries: list[_Query]) -> tuple[list[Any], int]:
         """One store call for ``queries`` (or one per query, for a backend without ``lookup_many``), asking
-        for the marker key in the same call."""
+        for the marker key in the same call; returns the results and the epoch the call confirmed (0: none)."""
         self._observe.inflight(1)
         t0 = time.perf_counter()
         results: list[Any]
+        epoch = 0
         try:
             if self._batching:
-                results = self._ask_batch(queries)
+                results, epoch = ask_with_marker(self._marker, self.backend.lookup_many,  # type: ignore[attr-defined]
+                                                 queries)
             else:
                 results = []
                 for num_tokens, hashes, _, _ in queries:
@@ -325,31 +342,11 @@ class LookupServer:
             if self._log_limit.allow(time.perf_counter()):
                 logger.warning("store call failed: %r", e)
             results = [e] * len(queries)
+            epoch = 0
         seconds = time.perf_counter() - t0
         self._observe.inflight(0)
         self._observe.store_call(len(queries), seconds, any(failed(r) for r in results))
-        return results
-
-    def _ask_batch(self, queries: list[_Query]) -> list[Any]:
-        """``lookup_many`` with the marker asked in the same call. A client's known blocks count only if found
-        in the epoch the marker stands for, and only if the marker is still there (no wipe since): else the
-        batch is asked again from scratch."""
-        marker = self._marker
-        ask = self.backend.lookup_many  # type: ignore[attr-defined]
-        if marker is not None:
-            marker.ensure(time.perf_counter())
-        if marker is None or marker.key is None:  # no epoch kept: nothing a client knows can be trusted
-            return list(ask([(n, h, 0) for n, h, _, _ in queries]))
-        epoch = marker.epoch
-        results = list(ask([(n, h, k if e == epoch else 0) for n, h, k, e in queries], [marker.key]))
-        if len(results) != len(queries) + 1:
-            raise RuntimeError(f"backend returned {len(results)} results for {len(queries)} lookups")
-        code = results.pop()
-        marker.seen(code)
-        if code != 1 and any(k and e == epoch for _, _, k, e in queries):
-            # Wiped (the marker is gone) or unknown (the store failed): what the clients know cannot be trusted.
-            results = list(ask([(n, h, 0) for n, h, _, _ in queries]))
-        return results
+        return results, epoch
 
     def _answer_reset(self, item: intake.Reset) -> None:
         self._observe.inflight(1)
@@ -368,11 +365,14 @@ class LookupServer:
         self._observe.answered("error" if failed else "ok")
         if item.frame_id is None:
             self._send(item.envelope, upstream_wire.RESP_ERR if failed else upstream_wire.RESP_OK)
-        elif failed:
-            self._send(item.envelope, protocol.encode_status(item.frame_id, protocol.ERROR, failure_reason(outcome),
-                                                             self.epoch))
+        elif failed:  # no new epoch (nothing says the store was wiped), and no word for the old one: it may have been
+            self._send(item.envelope, protocol.encode_status(item.frame_id, protocol.ERROR, failure_reason(outcome)))
         else:
             self._send(item.envelope, protocol.encode_status(item.frame_id, protocol.OK, epoch=self.epoch))
+
+    def _reply(self, refusal: intake.Refusal) -> None:
+        self._observe.answered(refusal.status, refusal.count)
+        self._send(refusal.envelope, refusal.reply)
 
     def _refuse(self, item: intake.Work, reason: str) -> None:
         """Answer ``item`` with an error without asking the store."""

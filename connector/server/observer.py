@@ -7,7 +7,7 @@ telemetry cannot stop serving. The Prometheus side lives in :mod:`mooncake_looko
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from mooncake_lookout.connector.events import FanOut
@@ -17,12 +17,19 @@ class ServerObserver:
     """Hooks for the server's telemetry, all called on the loop's thread; override what you need.
 
     ``status`` values are ``metrics.catalogue.SERVER_STATUSES``: ``ok`` (hits and misses), ``error``
-    (the store failed), ``bad_request`` (the frame was refused as malformed), ``busy`` (its peer was at its
-    bound of waiting lookups), ``refused`` (a reset from a peer that may not wipe the store).
+    (the store failed), ``bad_request`` (the frame was refused as malformed, or past a bound on its own),
+    ``busy`` (its peer, or all peers, at a bound of what may wait), ``refused`` (a reset from a peer that may
+    not wipe the store).
     """
 
     def queue_depth(self, depth: int) -> None:
         """Lookups received and not yet answered."""
+
+    def waiting(self, keys: int, nbytes: int) -> None:
+        """Store keys and bytes of the lookups received and not yet answered (every peer's)."""
+
+    def bounds(self, values: Mapping[tuple[str, str], int]) -> None:
+        """The bounds on what may wait, by ``(scope, measure)`` (``metrics.catalogue.SERVER_BOUND_*``); at start."""
 
     def inflight(self, calls: int) -> None:
         """Store calls running right now (0 or 1: the loop makes one at a time)."""

@@ -174,11 +174,14 @@ class WorkerBackend:
             return False
 
     def reset(self) -> bool:
-        """What upstream's server does on reset: drain in-flight puts, then wipe the store."""
+        """What upstream's server does on reset: drain in-flight puts, then wipe the store; a negative code from
+        ``remove_all`` (the store was not wiped) raises :class:`StoreError` (upstream's server ignores it)."""
         send_thread = getattr(self.worker, "kv_send_thread", None)
         if send_thread is not None:
             send_thread.request_queue.join()
-        self.worker.store.remove_all(force=True)
+        code = self.worker.store.remove_all(force=True)
+        if code < 0:
+            raise StoreError(code, "remove_all", "the store was not wiped")
         return True
 
 

@@ -18,9 +18,12 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "mooncake-lookout"
 CI_VALUES = CHART / "ci"
-# The API group/version the Prometheus Operator's CRDs serve: with monitoring.enabled=auto (the default) the chart
-# renders its monitors and rules only when the cluster serves it (helm template: --api-versions).
-MONITORING_API = "monitoring.coreos.com/v1"
+# What a cluster with the Prometheus Operator's CRDs serves, as helm's .Capabilities lists it (the group/version and
+# each kind): with monitoring.enabled=auto (the default) the chart renders each monitoring kind only when the cluster
+# serves it (helm template: --api-versions).
+MONITORING_GROUP = "monitoring.coreos.com/v1"
+MONITORING_KINDS = ("ServiceMonitor", "PodMonitor", "PrometheusRule")
+MONITORING_APIS = (MONITORING_GROUP, *(f"{MONITORING_GROUP}/{kind}" for kind in MONITORING_KINDS))
 
 
 class HelmError(RuntimeError):
@@ -58,7 +61,7 @@ def template(values_files: Iterable[Path | str] = (), sets: dict[str, str] | Non
              api_versions: Iterable[str] = ()) -> list[dict[str, Any]]:
     """``helm template`` the chart (hooks and tests included) and parse every rendered object.
 
-    ``api_versions`` are the extra APIs the pretend cluster serves (e.g. :data:`MONITORING_API`)."""
+    ``api_versions`` are the extra APIs the pretend cluster serves (e.g. :data:`MONITORING_APIS`)."""
     args = ["template", release, str(CHART), "--namespace", namespace, "--kube-version", kube_version]
     for api in api_versions:
         args += ["--api-versions", api]
@@ -71,7 +74,8 @@ def template(values_files: Iterable[Path | str] = (), sets: dict[str, str] | Non
 
 
 def render_notes(values_files: Iterable[Path | str] = (), release: str = "lookout",
-                 namespace: str = "serving", workdir: Path | None = None) -> str:
+                 namespace: str = "serving", workdir: Path | None = None,
+                 sets: dict[str, str] | None = None) -> str:
     """NOTES.txt as helm would print it. ``helm install --dry-run`` needs a cluster and ``helm template`` skips
     NOTES, so render a copy of the chart in which a ConfigMap carries ``tpl`` of NOTES.txt."""
     import tempfile
@@ -88,6 +92,8 @@ def render_notes(values_files: Iterable[Path | str] = (), release: str = "lookou
                 "--show-only", "templates/notes-as-configmap.yaml"]
         for path in values_files:
             args += ["--values", str(path)]
+        for key, value in (sets or {}).items():
+            args += ["--set-json", f"{key}={value}"]
         text = run_helm(*args)
     return yaml.safe_load(text)["data"]["notes"]
 
@@ -114,6 +120,5 @@ def load_values() -> dict[str, Any]:
     return yaml.safe_load((CHART / "values.yaml").read_text())
 
 
-__all__ = ["CHART", "CI_VALUES", "MONITORING_API", "ROOT", "HelmError", "ci_value_sets", "find", "helm_binary",
-           "load_values", "one",
-           "render_notes", "run_helm", "template"]
+__all__ = ["CHART", "CI_VALUES", "MONITORING_APIS", "MONITORING_GROUP", "MONITORING_KINDS", "ROOT", "HelmError",
+           "ci_value_sets", "find", "helm_binary", "load_values", "one", "render_notes", "run_helm", "template"]

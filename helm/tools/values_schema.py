@@ -68,6 +68,7 @@ HOST_PORT = {"type": "string", "pattern": "^[^:/;\\s]+:[0-9]{1,5}$"}
 MASTER_ADDRESS = {"type": "string",
                   "pattern": "^(([^:/;\\s]+:[0-9]{1,5})|(etcd://[^:/;\\s]+:[0-9]{1,5}(;[^:/;\\s]+:[0-9]{1,5})*))?$"}
 QUANTITY = {"type": "string", "pattern": "^[0-9]+(\\.[0-9]+)?([KMGTPE]i?)?$"}
+EXTENDED_RESOURCE = "^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$"  # e.g. rdma/hca
 # The Prometheus Operator's ScrapeProtocol enum (monitoring.coreos.com/v1, spelled as its CRD spells it).
 SCRAPE_PROTOCOLS = {"type": "array", "uniqueItems": True, "items": {"type": "string", "enum": [
     "PrometheusText0.0.4", "PrometheusText1.0.0", "OpenMetricsText0.0.1", "OpenMetricsText1.0.0", "PrometheusProto"]}}
@@ -101,7 +102,7 @@ SCHEDULING = {"nodeSelector": STRING_MAP, "tolerations": LIST, "affinity": FREE_
 
 
 def probe() -> dict[str, Any]:
-    return obj(periodSeconds=positive(3600), failureThreshold=positive(10_000))
+    return obj(periodSeconds=positive(3600), timeoutSeconds=positive(3600), failureThreshold=positive(10_000))
 
 
 def lookup_schema() -> dict[str, Any]:
@@ -135,9 +136,13 @@ def shape() -> dict[str, Any]:
         model={"type": "string", "minLength": 1},
         servedModelName={"type": "string"},
         port=PORT,
+        tensorParallelSize=positive(1024),
+        pipelineParallelSize=positive(1024),
+        dataParallelSize=positive(1024),
         extraArgs=STRINGS,
         env=LIST,
         hfToken=obj(secretName=K8S_NAME, secretKey={"type": "string", "minLength": 1}),
+        hashSeed=obj(secretName=K8S_NAME, secretKey=SECRET_KEY),
         modelCache=obj(
             enabled={"type": "boolean"}, existingClaim=K8S_NAME, size=QUANTITY, storageClassName=K8S_NAME,
             accessModes={"type": "array", "minItems": 1, "uniqueItems": True, "items": {
@@ -146,6 +151,7 @@ def shape() -> dict[str, Any]:
         extraVolumes=LIST,
         extraVolumeMounts=LIST,
         resources=FREE_MAP,
+        memoryHeadroom=QUANTITY,
         shm=obj(enabled={"type": "boolean"},
                 sizeLimit={"type": "string", "pattern": "^[0-9]+(\\.[0-9]+)?([KMGT]i?)?$"}),
         connector=obj(
@@ -161,6 +167,7 @@ def shape() -> dict[str, Any]:
             },
         ),
         mooncake=obj(
+            mode={"type": "string", "enum": ["embedded", "standalone-store"]},
             metadataServer={"type": "string", "minLength": 1},
             protocol={"type": "string", "enum": ["tcp", "rdma"]},
             deviceName={"type": "string"},
@@ -179,6 +186,8 @@ def shape() -> dict[str, Any]:
             samplerArg={"type": "string"},
         ),
         probes=obj(startup=probe(), liveness=probe(), readiness=probe()),
+        preStopSleepSeconds={"type": "integer", "minimum": 0, "maximum": 3600},
+        lifecycle=FREE_MAP,  # a Kubernetes Lifecycle (postStart, preStop)
         service=obj(type=SERVICE_TYPE, annotations=STRING_MAP),
         pdb=pdb("maxUnavailable", 1),
         podSecurityContext=FREE_MAP,
@@ -198,6 +207,11 @@ def shape() -> dict[str, Any]:
         peerPort=PORT,
         resources=FREE_MAP,
         persistence=obj(enabled={"type": "boolean"}, size=QUANTITY, storageClassName=K8S_NAME),
+        quotaBackendBytes=QUANTITY,
+        autoCompactionRetention={"type": "string", "pattern": "^([0-9]+(\\.[0-9]+)?(ns|us|ms|s|m|h))+$"},
+        pdb=obj(enabled={"type": "boolean"}),
+        topologySpreadConstraints=LIST,
+        affinity=FREE_MAP,
         podSecurityContext=FREE_MAP,
         securityContext=FREE_MAP,
     )
@@ -206,6 +220,7 @@ def shape() -> dict[str, Any]:
     etcd["then"] = {"properties": {"endpoints": {"minItems": 1}}}
     ha = obj(
         enabled={"type": "boolean"},
+        oplog={"type": "boolean"},
         backend={"type": "string", "enum": ["etcd", "k8s"]},
         clusterId={"type": "string", "pattern": "^[A-Za-z0-9_.-]*$", "maxLength": 128},
         etcd=etcd,
@@ -260,6 +275,7 @@ def shape() -> dict[str, Any]:
         extraArgs=STRINGS,
         env=LIST,
         resources=FREE_MAP,
+        memoryHeadroom=QUANTITY,
         strategy=FREE_MAP,
         pdb=pdb("maxUnavailable", 1),
         podSecurityContext=FREE_MAP,
@@ -285,16 +301,26 @@ def shape() -> dict[str, Any]:
             store=store,
             monitoring=obj(
                 enabled={"enum": ["auto", True, False]},
-                release={"type": "string", "maxLength": 63},
+                # A label value (kube-prometheus-stack's release name), or false for none.
+                release={"anyOf": [{"type": "string", "maxLength": 63}, {"const": False}]},
                 namespace=DNS_LABEL,
                 serviceMonitor=obj(**monitor, scrapeProtocols=SCRAPE_PROTOCOLS),
                 masterMonitor=obj(**monitor, kind={"type": "string", "enum": ["PodMonitor", "ServiceMonitor"]}),
+                storeMonitor=obj(**monitor),
                 prometheusRule=obj(enabled={"type": "boolean"}, labels=STRING_MAP,
                                    runbookBaseUrl={"type": "string", "pattern": "^(https?://.+)?$"}),
             ),
             grafana=obj(dashboards=obj(
                 enabled={"type": "boolean"}, label={"type": "string", "minLength": 1}, labelValue={"type": "string"},
-                folder={"type": "string"}, namespace=DNS_LABEL)),
+                folder={"type": "string"},
+                folderAnnotation={"type": "string",
+                                  "pattern": "^([a-z0-9.-]+/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"},
+                namespace=DNS_LABEL)),
+            rdma=obj(
+                # An extended resource name (domain/name), or empty for none.
+                resourceName={"type": "string", "maxLength": 253, "pattern": EXTENDED_RESOURCE},
+                resourceCount=positive(), ipcLock={"type": "boolean"}, hostNetwork={"type": "boolean"},
+                privileged={"type": "boolean"}),
             transferPorts=transfer_ports(),
             networkPolicy=obj(enabled={"type": "boolean"}, monitoringPodSelector=FREE_MAP,
                               storeClients={"type": "boolean"}, engineHttpFrom=LIST, extraEngineIngress=LIST,

@@ -134,35 +134,13 @@ lookup_server_address beyond loopback without CURVE fails here, as the worker wo
 {{- end }}
 
 {{/*
-The Mooncake store client's configuration (vLLM reads it from MOONCAKE_CONFIG_PATH).
+The Mooncake store client's configuration (vLLM reads it from MOONCAKE_CONFIG_PATH). In standalone-store mode the
+ranks lend no segment (vLLM refuses any other size there).
 */}}
 {{- define "lookout.mooncakeConfig" -}}
 {{- $m := .Values.engine.mooncake }}
-{{- dict "metadata_server" $m.metadataServer "master_server_address" (include "lookout.masterAddress" .) "protocol" $m.protocol "device_name" $m.deviceName "global_segment_size" $m.globalSegmentSize "local_buffer_size" $m.localBufferSize | toPrettyJson }}
-{{- end }}
-
-{{/*
-"true" when the Prometheus Operator objects are rendered: monitoring.enabled true, or "auto" and the cluster
-serves monitoring.coreos.com/v1 (helm template: pass --api-versions monitoring.coreos.com/v1).
-*/}}
-{{- define "lookout.monitoringOn" -}}
-{{- $on := .Values.monitoring.enabled }}
-{{- if eq (toString $on) "auto" }}
-{{- if .Capabilities.APIVersions.Has "monitoring.coreos.com/v1" }}true{{ end }}
-{{- else if $on }}true{{ end }}
-{{- end }}
-
-{{/*
-Labels of a monitoring object: the release label kube-prometheus-stack selects on, then the object's own.
-Call with (dict "ctx" $ "labels" .labels).
-*/}}
-{{- define "lookout.monitorLabels" -}}
-{{- with .ctx.Values.monitoring.release }}
-release: {{ . | quote }}
-{{- end }}
-{{- with .labels }}
-{{ toYaml . }}
-{{- end }}
+{{- $segment := ternary 0 $m.globalSegmentSize (eq $m.mode "standalone-store") }}
+{{- dict "mode" $m.mode "metadata_server" $m.metadataServer "master_server_address" (include "lookout.masterAddress" .) "protocol" $m.protocol "device_name" $m.deviceName "global_segment_size" $segment "local_buffer_size" $m.localBufferSize | toPrettyJson }}
 {{- end }}
 
 {{/*
@@ -301,4 +279,50 @@ The NetworkPolicy peer of the Prometheus pods: monitoring.namespace, narrowed by
     {{- else }}
     {}
     {{- end }}
+{{- end }}
+
+{{/*
+The engine's lifecycle hooks: engine.lifecycle, plus a preStop pause of engine.preStopSleepSeconds unless it sets a
+preStop of its own. The pause must leave part of the grace period to the shutdown itself.
+*/}}
+{{- define "lookout.engineLifecycle" -}}
+{{- $e := .Values.engine }}
+{{- $hooks := deepCopy $e.lifecycle }}
+{{- if and $e.preStopSleepSeconds (not (hasKey $hooks "preStop")) }}
+{{- if ge (int $e.preStopSleepSeconds) (int $e.terminationGracePeriodSeconds) }}
+{{- fail (printf "engine.preStopSleepSeconds %v must be below engine.terminationGracePeriodSeconds %v: the pause counts against the grace period, and the engine needs time after it to finish its requests" $e.preStopSleepSeconds $e.terminationGracePeriodSeconds) }}
+{{- end }}
+{{- $_ := set $hooks "preStop" (dict "exec" (dict "command" (list "sleep" (toString $e.preStopSleepSeconds)))) }}
+{{- end }}
+{{- with $hooks }}{{ toYaml . }}{{ end }}
+{{- end }}
+
+{{/*
+The master image values.yaml names (master.image.repository's default): Mooncake's 0.3.13.post1 PyPI wheels,
+built without the k8s lease backend (tests/test_helm_cluster.py checks it is values.yaml's default).
+*/}}
+{{- define "lookout.defaultMasterRepository" -}}
+ghcr.io/mooncake-lookout/master
+{{- end }}
+
+{{/*
+Fails when engine.extraArgs pick a non-cryptographic block hash (--prefix-caching-hash-algo xxhash or xxhash_cbor)
+and nothing sets PYTHONHASHSEED: vLLM then seeds the hashes at random in each process, and no two engines (nor one
+engine after a restart) compute the same store keys.
+*/}}
+{{- define "lookout.checkHashSeed" -}}
+{{- $e := .Values.engine }}
+{{- $algo := "" }}
+{{- range $i, $arg := $e.extraArgs }}
+{{- if and (eq $arg "--prefix-caching-hash-algo") (lt (add1 $i) (len $e.extraArgs)) }}
+{{- $algo = index $e.extraArgs (add1 $i) }}
+{{- else if hasPrefix "--prefix-caching-hash-algo=" $arg }}
+{{- $algo = trimPrefix "--prefix-caching-hash-algo=" $arg }}
+{{- end }}
+{{- end }}
+{{- $seeded := $e.hashSeed.secretName }}
+{{- range $e.env }}{{ if eq .name "PYTHONHASHSEED" }}{{ $seeded = true }}{{ end }}{{ end }}
+{{- if and (hasPrefix "xxhash" $algo) (not $seeded) }}
+{{- fail (printf "engine.extraArgs sets --prefix-caching-hash-algo %s, which vLLM seeds with a random value in every process unless PYTHONHASHSEED is set: no two engines would compute the same store keys, and the shared cache would never hit. Set engine.hashSeed.secretName to a Secret holding one secret integer (0 to 4294967295) that every engine sharing the store uses, e.g. kubectl create secret generic lookout-hash-seed --from-literal=seed=$(shuf -i 1-4294967295 -n 1)" $algo) }}
+{{- end }}
 {{- end }}
