@@ -128,9 +128,7 @@ class LookupClient:
                     self.observers.answer_dropped(lk, why)
                     self._drop(lk)
                     lk = None
-                elif non_block and self._stepped and self._drained_this_step and lk.outcome is None \
-                        and lk.t_start is not None and now < lk.deadline and not self.transport.has_news \
-                        and (self._sent_this_step or not self._unsent) and self.budget.left() <= 0:  # type: ignore[operator]
+                elif non_block and lk.outcome is None and self._nothing_new(lk, now):
                     lk.deferrals += 1  # asked again after this step's hand-over: nothing can have changed
                     self.observers.deferred(lk)
                     return None
@@ -238,6 +236,14 @@ class LookupClient:
         return req_id in self._lookups
 
     # -- internals -----------------------------------------------------------------------------------------
+    def _nothing_new(self, lk: Lookup, now: float) -> bool:
+        """For a pending lookup asked again: this step has taken in and handed over, no answer has come back since,
+        it is sent and before its deadline, and no wait is allowed. Then only a deferral can follow."""
+        deadline = lk.deadline
+        return (self._stepped and self._drained_this_step and deadline is not None and now < deadline
+                and (self._sent_this_step or not self._unsent) and not self.transport.has_news
+                and self.budget.left() <= 0)
+
     def _current(self, lk: Lookup, num_tokens: int, block_hashes: Sequence[bytes]) -> bool:
         """Is ``lk`` still the lookup for this request: same prompt, same generation?"""
         n = len(block_hashes)
@@ -253,15 +259,9 @@ class LookupClient:
         self._lookups[req_id] = lk
         self._open += 1
         self.observers.submitted(lk)
-        refused: Outcome | None = None
-        if self._closed:
-            refused = ERROR
-        elif self._open > self._max_pending:
-            refused = Outcome.REJECTED
-        elif not self.breaker.allow():
-            refused = Outcome.BREAKER_OPEN
-        else:
-            lk.probe = self.breaker.is_open
+        refused = (ERROR if self._closed else Outcome.REJECTED if self._open > self._max_pending
+                   else None if self.breaker.allow() else Outcome.BREAKER_OPEN)
+        lk.probe = refused is None and self.breaker.is_open
         if refused is not None:
             lk.finish(refused, now, error=refused.value, local=True)
             self._settle(lk)
@@ -291,9 +291,9 @@ class LookupClient:
 
     def _flush(self, *, urgent: bool = False) -> None:
         """Hand every unsent lookup to the transport, in one frame where the protocol allows."""
-        if not self._unsent:
-            return
         lookups, self._unsent = self._unsent, []
+        if not lookups:
+            return
         self._sent_this_step = True
         now = _clock()
         view = self.store_view
@@ -359,24 +359,18 @@ class LookupClient:
             self.breaker.probe_abandoned()
         self._open -= 1
         self.observers.consumed(lk)
-        if lk.kept:
-            lk.held = True
-            held = self._held
-            held[lk.req_id] = None
-            if len(held) > self.config.lookup_max_held:
-                self._evict_held()
-        else:  # failed or refused: not held, the next call asks again
+        if not lk.kept:  # failed or refused: not held, the next call asks again
             del self._lookups[lk.req_id]
-        return lk
-
-    def _evict_held(self) -> None:
+            return lk
+        lk.held = True
         held = self._held
+        held[lk.req_id] = None
         while len(held) > self.config.lookup_max_held:  # the oldest go first
             old = next(iter(held))
             del held[old]
-            lk = self._lookups.pop(old, None)
-            if lk is not None:
-                self.observers.answer_dropped(lk, "evicted")
+            if (gone := self._lookups.pop(old, None)) is not None:
+                self.observers.answer_dropped(gone, "evicted")
+        return lk
 
     def _drop(self, lk: Lookup) -> None:
         req_id = lk.req_id

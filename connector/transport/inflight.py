@@ -52,7 +52,7 @@ class InFlight:
             lk.sent(now)
             lookup_id = lk.lookup_id
             inflight[lookup_id] = lk
-            heapq.heappush(deadlines, (lk.deadline, lookup_id))  # type: ignore[arg-type]
+            heapq.heappush(deadlines, (lk.deadline or now, lookup_id))
             ids.append(lookup_id)
         self.frames[frame_id] = (ids, now, now + 2 * self.timeout_s)
 
@@ -89,12 +89,12 @@ class InFlight:
             # the store's state. Before its lookups finish: they were answered in this epoch.
             self._epoch(reply.epoch, carried[1], now)
         inflight, finish = self.lookups, self._finish
-        for lookup_id, outcome, hit, tails, error in (answers if answers is not None else protocol.answers_of(reply)):
+        for lookup_id, outcome, hit, tails, why in (answers if answers is not None else protocol.answers_of(reply)):
             lk = inflight.pop(lookup_id, None)
             if lk is None:
                 self._late()
             else:
-                finish(lk, outcome, now, hit, tails, error)
+                finish(lk, outcome, now, hit, tails, why)
 
     def fail_frame(self, frame_id: int, now: float, error: str) -> None:
         """A reply to ``frame_id`` could not be read: its lookups fail (a frame id of 0: nobody's, a late reply)."""
