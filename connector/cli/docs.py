@@ -219,10 +219,11 @@ def render_package_graph(edges: set[tuple[str, str]] | None = None) -> str:
 DEMO_SCRIPT_INTRO = """\
 usage: bash scripts/demo.sh [FLAGS]
 
-Installs everything on its first run (bash scripts/setup.sh: the Debian packages as root, a .venv with vLLM's
-CPU recipe and the Mooncake wheel, helm; later runs skip what is done), then runs `mooncake-lookout demo`:
-a real Mooncake master on 127.0.0.1, vLLM's real V1 scheduler with this connector, lookups in three modes
-(sync, async, budget), /metrics on 127.0.0.1 while it runs, and a table of the three modes at the end.
+Installs what the demo needs on its first run (bash scripts/setup.sh --demo: python3-venv and libibverbs1 as
+root, a .venv with vLLM's CPU recipe, the Mooncake wheel and this package; no test tools; later runs skip what
+is done), then runs `mooncake-lookout demo`: a real Mooncake master on 127.0.0.1, vLLM's real V1 scheduler, its
+own lookup client and ours in five modes (upstream sync and async, ours sync, async and auto), /metrics on
+127.0.0.1 while it runs, and a table of the modes at the end with two lines reading it.
 --help prints this and installs nothing.
 """
 
