@@ -7,12 +7,16 @@ them (``python -m mooncake_lookout.connector.cli.docs``; a test fails when they 
 * ``demo``: runs ``bash scripts/demo.sh --duration small`` in this checkout, as the README says, and writes its
   whole output (stdout and stderr, merged in the order they came) to ``docs/bench/demo.txt`` under one line
   that says when, on which commit and under which load it ran;
+* ``sink-cost``: what telemetry costs per lookup (:mod:`mooncake_lookout.metrics.sink_cost`), to
+  ``docs/bench/sink-cost.json``;
+* ``security``: what CURVE and the per-peer bounds cost and buy (:mod:`~..bench.security`, full sizes), to
+  ``docs/bench/security.json``;
 * ``first-run``: clones this checkout's HEAD into a scratch folder and runs the same command there, as a first
   run does (its own ``.venv``, an empty pip cache), timing the set-up and the demo; then sums the wheels that venv
   holds (``pip download`` of each installed distribution, what a machine without local copies downloads) and
   the venv's size; writes ``docs/bench/first-run.json``.
 
-Both then regenerate the docs. Numbers depend on the machine and its load: both files carry the load average.
+Each then regenerates the docs. Numbers depend on the machine and its load: every file carries the load average.
 """
 
 from __future__ import annotations
@@ -28,11 +32,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mooncake_lookout.connector.rigs.machine import CHECKOUT, load_average, machine
+from mooncake_lookout.connector.bench.records import DEMO_FILE, RUNS_DIR
+from mooncake_lookout.connector.rigs.machine import CHECKOUT, commit, load_average, machine
 
 DEMO_ARGS = ("--duration", "small")
-DEMO_FILE = Path("docs/bench/demo.txt")
-FIRST_RUN_FILE = Path("docs/bench/first-run.json")
+FIRST_RUN_FILE = RUNS_DIR / "first-run.json"
+SINK_COST_FILE = RUNS_DIR / "sink-cost.json"
+SECURITY_FILE = RUNS_DIR / "security.json"
 SETUP_DONE = "[setup] done"
 
 
@@ -112,6 +118,7 @@ def record_first_run(root: Path = CHECKOUT, scratch: Path | None = None) -> int:
             print(f"record: the first run exited with {run['code']}; nothing written", file=sys.stderr)
             return 1
         count, wheel_bytes = _wheels_bytes(clone / ".venv", scratch)
+        m["commit"] = commit(clone)  # what was measured: the clone's HEAD
         result = {"command": demo_command(), "machine": {**m, "loadavg_at_end": load_average()},
                   "setup_s": run["setup_s"], "total_s": run["total_s"], "wheels": count, "wheel_bytes": wheel_bytes,
                   "venv_bytes": _tree_bytes(clone / ".venv")}
@@ -123,14 +130,94 @@ def record_first_run(root: Path = CHECKOUT, scratch: Path | None = None) -> int:
     return 0
 
 
+def record_sink_cost(root: Path = CHECKOUT) -> int:
+    """Measure telemetry's cost per lookup and write ``docs/bench/sink-cost.json``."""
+    from mooncake_lookout.metrics.sink_cost import measure
+
+    m = machine()
+    lifecycles, repeats = 10_000, 5
+    results = measure(lifecycles, repeats)
+    data = {"lifecycles": lifecycles, "repeats": repeats, "ns_per_lookup": results,
+            "machine": {**m, "loadavg_at_end": load_average()}}
+    (root / SINK_COST_FILE).write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {SINK_COST_FILE}")
+    return 0
+
+
+def record_security(root: Path = CHECKOUT) -> int:
+    """Run the security bench at full size and write ``docs/bench/security.json``."""
+    from mooncake_lookout.connector.bench import security
+
+    m = machine()
+    with tempfile.TemporaryDirectory(prefix="lookout-security-") as out:
+        results = security.run(out, log=lambda text: print(text, file=sys.stderr, flush=True))
+    data = {**results, "machine": {**m, "loadavg_at_end": load_average()}}
+    (root / SECURITY_FILE).write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {SECURITY_FILE}")
+    return 0
+
+
+def load_recorded(root: Path, file: Path) -> dict[str, Any]:
+    """A committed recording (``first-run.json``, ``sink-cost.json``, ...); ValueError naming the command if missing."""
+    path = root / file
+    if not path.exists():
+        what = file.stem
+        raise ValueError(f"no committed {file}: record it with python -m mooncake_lookout.connector.cli.record {what}")
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
+
+
+def where(m: dict[str, Any]) -> str:
+    """When, on what code and how loaded a recording ran, in a few words."""
+    return (f"{m['date'][:10]}, commit `{m['commit']}`, {m['cpus']} CPUs, load average (1 min) "
+            f"{m['loadavg_at_start'][0]:.2f} -> {m['loadavg_at_end'][0]:.2f}")
+
+
+def render_sink_cost(data: dict[str, Any]) -> str:
+    """The overhead table of docs/metrics.md, from ``sink-cost.json``."""
+    from mooncake_lookout.metrics.sink_cost import render
+
+    return (render(data["ns_per_lookup"]) + f"\n\nMedian of {data['repeats']} repeats of {data['lifecycles']:,} "
+            f"lifecycles each ({where(data['machine'])}; `{SINK_COST_FILE}`).\n")
+
+
+def render_security(data: dict[str, Any]) -> str:
+    """docs/security.md's measured block, from ``security.json``: the bench's own table, and where it ran."""
+    from mooncake_lookout.connector.bench.security import table
+
+    kind = "quick" if data.get("quick") else "full"
+    return (f"One {kind} run of `python -m mooncake_lookout.connector.bench.security` ({where(data['machine'])}; "
+            f"`{SECURITY_FILE}`):\n\n```\n" + table(data) + "\n```\n")
+
+
+def _duration(seconds: float) -> str:
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest:02d} s" if minutes else f"{rest} s"
+
+
+def render_first_run(data: dict[str, Any]) -> str:
+    """The README's sentence on what a first run costs, from ``first-run.json``."""
+    setup = _duration(data["setup_s"]) if data.get("setup_s") is not None else "?"
+    return (f"A first run of `{data['command']}` from a fresh clone took {setup} to set up and "
+            f"{_duration(data['total_s'])} in all, here: no GPU, shared with other work ({where(data['machine'])}), "
+            f"pip finding most wheels on local disk. Its venv holds {data['wheels']} wheels, "
+            f"{data['wheel_bytes'] / 1e6:,.0f} MB to download where they are not at hand "
+            f"({data['venv_bytes'] / 1e9:.1f} GB installed). Later runs skip the set-up. "
+            f"(`{FIRST_RUN_FILE}`, by `python -m mooncake_lookout.connector.cli.record first-run`.)\n")
+
+
+RECORDERS = {"demo": record_demo, "first-run": record_first_run, "sink-cost": record_sink_cost,
+             "security": record_security}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Record, then regenerate the docs."""
     parser = argparse.ArgumentParser(prog="python -m mooncake_lookout.connector.cli.record",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("demo", "first-run"), help="what to record (see the module's doc)")
+    parser.add_argument("what", choices=tuple(RECORDERS), help="what to record (see the module's doc)")
     parser.add_argument("--scratch", type=Path, help="first-run: the folder to clone into (default: a new temp one)")
     args = parser.parse_args(argv)
-    code = record_demo() if args.what == "demo" else record_first_run(scratch=args.scratch)
+    code = record_first_run(scratch=args.scratch) if args.what == "first-run" else RECORDERS[args.what]()
     if code == 0:
         from mooncake_lookout.connector.cli.docs import main as docs
 
@@ -138,8 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-__all__ = ["DEMO_FILE", "FIRST_RUN_FILE", "demo_command", "main", "provenance", "record_demo", "record_first_run",
-           "run_demo_script"]
+__all__ = ["FIRST_RUN_FILE", "RECORDERS", "SECURITY_FILE", "SINK_COST_FILE", "demo_command", "load_recorded", "main",
+           "provenance", "record_demo", "record_first_run", "record_security", "record_sink_cost", "render_first_run",
+           "render_security", "render_sink_cost", "run_demo_script", "where"]
 
 if __name__ == "__main__":
     sys.exit(main())
