@@ -364,3 +364,19 @@ def test_no_hand_typed_measurement_outside_generated_blocks(name: str) -> None:
     text = re.sub(r"<!-- ([\w-]+):start -->.*?<!-- \1:end -->", "", (ROOT / name).read_text(), flags=re.S)
     typed = set(re.findall(r"\b\d[\d,.]*\s?(?:us|ms)\b", prose(text)))
     assert typed <= SETTINGS, f"{name}: figures typed by hand (generate them from docs/bench/): {typed - SETTINGS}"
+
+
+def test_the_committed_demo_output_is_whole_and_says_where_it_ran() -> None:
+    """docs/bench/demo.txt is what ``bash scripts/demo.sh --duration small`` printed, stdout and stderr together (the
+    set-up's ``[setup]`` lines go to stderr), under a line with its date, commit and load; README shows its end."""
+    from mooncake_lookout.connector.bench import doc_tables
+
+    lines = (ROOT / "docs" / "bench" / "demo.txt").read_text().splitlines()
+    assert re.fullmatch(r"# bash scripts/demo\.sh --duration small: \d{4}-\d\d-\d\dT[\d:]+Z, commit \S+, \d+ CPUs, "
+                        r"load average \(1 min\) [\d.]+ -> [\d.]+; its whole output, stdout and stderr as they came",
+                        lines[0]), lines[0]
+    assert any(line.startswith("[setup] ") for line in lines), "the set-up's stderr lines are missing"
+    noise = re.compile(r"^E\d|.*Failed to import|.*Logging before InitGoogleLogging")
+    assert [line for line in lines if noise.match(line)] == []
+    with pytest.raises(ValueError, match="say where it ran"):
+        doc_tables.render_demo("\n".join(lines[1:]))
