@@ -29,7 +29,7 @@ def test_every_subcommand_has_a_handler() -> None:
         assert callable(parser.parse_args(argv).func)
 
 
-@pytest.mark.parametrize("text,seconds", [("small", 4.5), ("default", 9.0), ("12.5", 12.5)])
+@pytest.mark.parametrize("text,seconds", [("small", 5.0), ("default", 10.0), ("12.5", 12.5)])
 def test_duration_accepts_seconds_and_names(text: str, seconds: float) -> None:
     assert parse_duration(text) == seconds
 
