@@ -16,7 +16,9 @@ this module rewrites each (or, with ``--check``, lists the stale ones and exits 
   files, :mod:`~mooncake_lookout.connector.bench.records`, rendered by
   :mod:`~mooncake_lookout.connector.bench.doc_tables`): ``bench-targets`` and ``bench-guarantees`` (README),
   ``bench-source``, ``bench-modes`` and ``bench-figures`` (docs/tuning.md), ``bench-runs``, ``bench-targets``,
-  ``bench-targets-per-run``, ``bench-scenarios`` and ``bench-reports`` (docs/bench-results.md). To publish new
+  ``bench-targets-per-run``, ``bench-scenarios``, ``bench-reports`` and ``bench-fleet`` (docs/bench-results.md),
+  ``bench-sizing`` (docs/operations.md) and ``bench-fleet-helm`` (docs/helm.md), the last three by
+  :mod:`~mooncake_lookout.connector.bench.doc_fleet`. To publish new
   runs: ``mooncake-lookout bench --out out-K``, copy each ``out-K/bench.json`` to ``docs/bench/run-K.json``
   (remove runs that are not replaced), then run this module;
 * ``demo-output`` (README): the closing table of ``docs/bench/demo.txt``, the committed stdout of
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mooncake_lookout.connector.bench import doc_tables, soak_tables
+from mooncake_lookout.connector.bench import doc_fleet, doc_tables, soak_tables
 from mooncake_lookout.connector.bench.records import Run, load_demo, load_runs, load_soaks
 from mooncake_lookout.connector.config import KEYS
 from mooncake_lookout.connector.vllm_version import supported_range
@@ -295,6 +297,9 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/bench-results.md", "bench-targets-per-run", _bench(doc_tables.render_targets_per_run)),
     Block("docs/bench-results.md", "bench-scenarios", _bench(doc_tables.render_scenarios)),
     Block("docs/bench-results.md", "bench-reports", _bench(doc_tables.render_reports)),
+    Block("docs/bench-results.md", "bench-fleet", _bench(doc_fleet.render_fleet)),
+    Block("docs/operations.md", "bench-sizing", _bench(doc_fleet.render_sizing)),
+    Block("docs/helm.md", "bench-fleet-helm", _bench(doc_fleet.render_helm_fleet)),
     Block("README.md", "soak-summary", lambda root: soak_tables.render_soak_summary(load_soaks(root))),
     Block("docs/reliability.md", "soak-table", lambda root: soak_tables.render_soak_table(load_soaks(root))),
 )
