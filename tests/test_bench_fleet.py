@@ -162,7 +162,7 @@ def test_the_multi_turn_workload_is_scenario_gs_conversations_turn_by_turn() -> 
 
 
 def test_the_fit_recovers_the_cost_per_call_and_per_key_behind_the_figures() -> None:
-    """The least-squares fit of the one cost per call (and per key, for traffic of no known workload)."""
+    """The least-squares fit of the one cost per key (and per call, for traffic of no known workload)."""
     per_call, per_key = 40.0, 0.5
     points = [(c, k, c * per_call + k * per_key) for c, k in ((1, 8), (0.25, 4.3), (1, 2200), (1, 118))]
     call, key = fleet_model.fit(points)
@@ -174,7 +174,7 @@ def test_the_fit_recovers_the_cost_per_call_and_per_key_behind_the_figures() -> 
 
 
 def test_the_projection_adds_up_over_engines_rate_and_blocks() -> None:
-    shape = {"upstream": fleet_model.Shape(1.0, 1.0, 0.5), "ours": fleet_model.Shape(0.05, 0.25, 0.5)}
+    shape = {"upstream": fleet_model.Shape(1.0, 1.0, 40.0), "ours": fleet_model.Shape(0.05, 0.25, 40.0)}
     model = fleet_model.Model(40.0, 0.5, {"w": shape}, {"w": {"blocks": 100, "rate": 10, "burst": 1}}, 1)
     one = fleet_model.project(model, "w", engines=1, rate=10, blocks=100)
     assert one["upstream"].per_lookup_us == pytest.approx(40 + 100 * 0.5)
@@ -200,3 +200,15 @@ def test_the_clock_is_monotonic_per_process() -> None:
 
 def _self() -> int:
     return os.getpid()
+
+
+def test_a_keys_cost_comes_from_the_two_clients_that_make_the_same_calls() -> None:
+    per_key, lone_call, burst_call = 2.0, 130.0, 50.0
+    means = {("multi-turn", "upstream"): (1.0, 2176.0, lone_call + 2176 * per_key),
+             ("multi-turn", "ours"): (1.0, 269.0, lone_call + 269 * per_key),
+             ("shared-prefix", "upstream"): (1.0, 8.0, burst_call + 8 * per_key),
+             ("shared-prefix", "ours"): (0.25, 4.3, 0.25 * 117 + 4.3 * per_key)}
+    assert fleet_model.key_cost(means) == pytest.approx(per_key)
+    # No workload whose clients make the same calls: no figure (the model falls back to its least-squares fit).
+    del means[("multi-turn", "ours")]
+    assert fleet_model.key_cost(means) is None

@@ -111,18 +111,20 @@ def render_sizing(runs: Sequence[Run]) -> str:
     if model is None:
         return "No committed run measured scenario (h): run `mooncake-lookout bench --only h`.\n"
     h_runs = _h_runs(runs)
-    out = [f"The master's CPU for one lookup: **{num(model.per_call_us)} us a store call**, plus what each key costs "
-           f"(fitted to scenario (h)'s largest fleet in {len(h_runs)} committed run{'s' * (len(h_runs) > 1)}). "
-           "Keys and calls per lookup as the master counted them:", ""]
+    out = [f"The master's CPU for one lookup: **{num(model.per_key_us, 2)} us a key**, plus what a store call costs, "
+           "which depends on how the calls come (a lone call wakes the master's threads; one of a burst finds them "
+           f"awake). From scenario (h)'s fleets of more than one engine but {fleet_model.CHECK_N}, in "
+           f"{len(h_runs)} committed run{'s' * (len(h_runs) > 1)}; keys and calls per lookup as the master counted "
+           "them:", ""]
     rows = []
     for workload, setting in model.settings.items():
         for client in fleet_model.CLIENTS:
             shape = model.shapes[workload][client]
             rows.append([workload, client, num(setting["blocks"], 0), num(shape.keys_per_block * setting["blocks"], 1),
-                         num(shape.calls_per_lookup, 2), num(shape.per_key_us, 2),
+                         num(shape.calls_per_lookup, 2), num(shape.per_call_us),
                          num(model.per_lookup_us(workload, client, setting["blocks"]))])
     out += _table(["workload", "client", "blocks per prompt (bench)", "keys per lookup", "store calls per lookup",
-                   "master CPU per key (us)", "master CPU per lookup (us)"], rows)
+                   "master CPU per call (us)", "master CPU per lookup (us)"], rows)
     out += ["", "What one engine's lookups take of the master, and how many engines one master core serves for "
             "lookups alone (`mooncake-lookout size` answers for your own figures):", ""]
     rows = []

@@ -69,7 +69,7 @@ class FleetSizes:
 
 # Rates a 2-core machine sustains at N = 8 with both clients (upstream's lookup server spends ~3 ms of CPU on a
 # 2,200-block lookup): the figures are per lookup, the rate only has to load the master above its idle noise.
-FULL = FleetSizes((1, 2, 4, 8), 10.0, 2.0, (FleetWorkload(SHARED_PREFIX, 200.0, 4), FleetWorkload(MULTI_TURN, 10.0)))
+FULL = FleetSizes((1, 2, 4, 8), 15.0, 2.0, (FleetWorkload(SHARED_PREFIX, 200.0, 4), FleetWorkload(MULTI_TURN, 10.0)))
 QUICK = FleetSizes((1, 2), 1.5, 0.6, (FleetWorkload(SHARED_PREFIX, 200.0, 4), FleetWorkload(MULTI_TURN, 10.0)),
                    calibration_s=0.2)
 QUIET_S = 0.5  # the master counted no existence check for this long: the phase's traffic is over

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mooncake_lookout.connector.bench.fleet_workloads import BLOCK_SIZE, FleetWorkload
+from mooncake_lookout.connector.bench.per_step import ask_once
 from mooncake_lookout.connector.bench.rig import ClientMaker, close_upstream_client
 from mooncake_lookout.connector.rigs.workload import WorkloadRequest
 from mooncake_lookout.connector.transport.names import PIPELINED
@@ -76,7 +77,9 @@ def drive(client: Any, ours: bool, requests: Sequence[WorkloadRequest], workload
     interval = workload.burst / workload.rate
     next_at, k = t0, 0
     arrived_all = t0 + seconds
-    pending: dict[str, tuple[WorkloadRequest, list[bytes], float, int]] = {}
+    pending: dict[str, tuple[int, list[bytes]]] = {}
+    arrived: dict[str, float] = {}
+    deferred: dict[str, int] = {}
     delays: list[int] = []
     steps: list[int] = []
     hit_tokens = 0
@@ -88,26 +91,22 @@ def drive(client: Any, ours: bool, requests: Sequence[WorkloadRequest], workload
                     hashes = list(r.block_hashes)
                     if ours:
                         client.start(r.req_id, r.num_tokens, hashes, admission=True)
-                    pending[r.req_id] = (r, hashes, time.perf_counter(), 0)
+                    pending[r.req_id] = (r.num_tokens, hashes)
+                    arrived[r.req_id], deferred[r.req_id] = time.perf_counter(), 0
                 k += workload.burst
                 next_at += interval
             if k >= len(requests):
                 arrived_all = time.perf_counter()
         elif not pending or now > arrived_all + drain_s:
             break
-        for req_id, (r, hashes, arrived, deferred) in list(pending.items()):
-            result = client.lookup(req_id, r.num_tokens, hashes, non_block=True)
-            if result is None:
-                pending[req_id] = (r, hashes, arrived, deferred + 1)
-                continue
-            delays.append(round((time.perf_counter() - arrived) * 1e6))
-            steps.append(deferred)
+        answered = ask_once(client, ours, pending)
+        done = time.perf_counter()
+        for req_id, result in answered.items():
+            delays.append(round((done - arrived.pop(req_id)) * 1e6))
+            steps.append(deferred.pop(req_id))
             hit_tokens += result.hit_length
-            del pending[req_id]
-            if ours:
-                client.discard(req_id)
-        if ours:
-            client.end_step()
+        for req_id in pending:
+            deferred[req_id] += 1
         time.sleep(step_s)
     return {"arrived": min(k, len(requests)), "answered": len(delays), "unanswered": len(pending),
             "arrivals_s": arrived_all - t0,

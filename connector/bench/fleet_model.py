@@ -6,13 +6,18 @@ simplest that fits those measurements:
 
 * a lookup costs the master ``calls x per_call + keys x per_key`` of CPU, where ``calls`` and ``keys`` are the
   store calls and keys per lookup its own counters showed;
-* ``per_call`` is one figure, fitted (least squares on relative error) to the phases of (h)'s largest fleet,
-  both workloads and both clients; ``per_key`` is each workload and client's own, what is left of its measured
-  cost per lookup once the calls are paid, divided by its keys. A key costs more where it is cold: a key
-  found present is leased again, and ours asks the blocks no lookup just asked (its prefix cache skips the
-  shared ones), vLLM's client asks the hot shared prefix again with them;
-* (h)'s largest fleet, because a busier master spends less per call (its threads wake less often): fleets of
-  one or two engines cost it up to a third more per lookup, a load too small to matter;
+* each workload and client's figures per lookup (master CPU, keys, calls) are the mean over (h)'s fleets of
+  more than one engine but :data:`CHECK_N`, each size weighing the same. One engine's lookups leave the master
+  idle between calls, and each call wakes it: it cost up to half again as much per lookup, a load too small to
+  size for. Between the larger fleets the cost per lookup moved by up to a fifth (on the bench's 2-core machine
+  the fleet's own processes compete with the master for the cores);
+* ``per_key`` is one figure: where the two clients of a workload make the same store calls per lookup and ask
+  very different numbers of keys (multi-turn: one call a lookup each, over 2,000 keys against a few hundred),
+  the difference of their costs over the difference of their keys (:func:`key_cost`); each workload and
+  client then keeps its own ``per_call``, what is left of its cost per lookup once its keys are paid, divided
+  by its calls. What a call costs depends on how the calls come: one that finds the master's threads asleep
+  wakes them, so a lone call costs more than one of a burst (vLLM's client sends a step's lookups one by one,
+  our server a step's lookups in one call);
 * keys per lookup grow with the prompt: each workload and client keeps the share of a prompt's blocks it asked
   (``keys per block``) and its store calls per lookup (ours answers the lookups a step sends together with one
   call);
@@ -37,18 +42,18 @@ CHECK_N = 4  # the fleet size the model is checked against
 @dataclass(frozen=True)
 class Shape:
     """How one client asks the master for one workload: keys per block of the prompt, store calls per lookup, and
-    what a key costs the master (microseconds of its CPU)."""
+    what one of its calls costs the master (microseconds of its CPU)."""
 
     keys_per_block: float
     calls_per_lookup: float
-    per_key_us: float
+    per_call_us: float
 
 
 @dataclass(frozen=True)
 class Model:
-    """The master's cost per store call (microseconds of its CPU, and the one fitted per key, for traffic of no
-    known workload), each (workload, client)'s shape, and the bench's setting for each workload (blocks per
-    prompt, rate and burst per engine)."""
+    """The master's cost per key (microseconds of its CPU; and the one fitted per call, for traffic of no known
+    workload), each (workload, client)'s shape, and the bench's setting for each workload (blocks per prompt,
+    rate and burst per engine)."""
 
     per_call_us: float
     per_key_us: float
@@ -59,7 +64,7 @@ class Model:
     def per_lookup_us(self, workload: str, client: str, blocks: float) -> float:
         """The master's CPU for one lookup of a prompt of ``blocks`` blocks."""
         shape = self.shapes[workload][client]
-        return shape.calls_per_lookup * self.per_call_us + shape.keys_per_block * blocks * shape.per_key_us
+        return shape.calls_per_lookup * shape.per_call_us + shape.keys_per_block * blocks * self.per_key_us
 
     def as_dict(self) -> dict[str, Any]:
         """The model, for JSON."""
@@ -102,12 +107,12 @@ def fit(points: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
 
 
 def fitted_phases(h: dict[str, Any]) -> list[dict[str, Any]]:
-    """The phases the model is fitted to: those of the largest N other than :data:`CHECK_N` (the largest N when
-    there is no other)."""
+    """The phases the model is fitted to: every fleet size but the smallest and :data:`CHECK_N` (fewer exclusions
+    when that would leave none)."""
     usable = [p for p in h["phases"] if p["lookups"] and p["master"]["per_1000_ms"] is not None]
-    ns = {p["n"] for p in usable}
-    n = max(ns - {CHECK_N} or ns)
-    return [p for p in usable if p["n"] == n]
+    smallest = min((p["n"] for p in usable), default=0)
+    return ([p for p in usable if p["n"] not in (smallest, CHECK_N)] or [p for p in usable if p["n"] != CHECK_N]
+            or usable)
 
 
 def _blocks(h: dict[str, Any], workload: str) -> float:
@@ -115,26 +120,48 @@ def _blocks(h: dict[str, Any], workload: str) -> float:
     return float(w.get("mean_blocks", w.get("prompt_blocks", 0)))
 
 
+def _means(phases: list[dict[str, Any]]) -> tuple[float, float, float]:
+    """``(calls, keys, cost in us)`` per lookup, the mean over the phases (one a fleet size)."""
+    m = [p["master"] for p in phases]
+    return (statistics.fmean(x["calls_per_lookup"] for x in m), statistics.fmean(x["keys_per_lookup"] for x in m),
+            statistics.fmean(x["per_1000_ms"] for x in m))  # ms per 1,000 lookups = us per lookup
+
+
+def key_cost(means: dict[tuple[str, str], tuple[float, float, float]]) -> float | None:
+    """The master's CPU per key from the workload whose two clients make the same store calls per lookup (within
+    10%) and ask the most different numbers of keys: the difference of their costs over that of their keys."""
+    best: tuple[float, float] | None = None  # (keys apart, cost per key)
+    for workload in {w for w, _ in means}:
+        if not all((workload, c) in means for c in CLIENTS):
+            continue
+        (c1, k1, m1), (c2, k2, m2) = (means[(workload, c)] for c in CLIENTS)
+        if abs(c1 - c2) > 0.1 * max(c1, c2) or k1 == k2:
+            continue
+        apart = abs(k1 - k2)
+        if best is None or apart > best[0]:
+            best = (apart, (m1 - m2) / (k1 - k2))
+    return best[1] if best is not None and best[1] > 0 else None
+
+
 def from_run(h: dict[str, Any]) -> Model:
     """The model of one run's scenario (h)."""
     phases = fitted_phases(h)
-    per_call, per_key = fit([(p["master"]["calls_per_lookup"], p["master"]["keys_per_lookup"],
-                              p["master"]["per_1000_ms"]) for p in phases])  # ms per 1,000 = us per lookup
+    means = {(w["kind"], c): _means([p for p in phases if p["workload"] == w["kind"] and p["client"] == c])
+             for w in h["workloads"] for c in CLIENTS
+             if any(p["workload"] == w["kind"] and p["client"] == c for p in phases)}
+    per_call, per_key = fit(list(means.values()))
+    per_key = key_cost(means) or per_key
     shapes: dict[str, dict[str, Shape]] = {}
     settings: dict[str, dict[str, float]] = {}
     for w in h["workloads"]:
         blocks = _blocks(h, w["kind"])
         settings[w["kind"]] = {"blocks": blocks, "rate": w["rate"], "burst": w["burst"]}
         for client in CLIENTS:
-            mine = [p for p in phases if p["workload"] == w["kind"] and p["client"] == client]
-            lookups = sum(p["lookups"] for p in mine)
-            if not lookups:
+            if (w["kind"], client) not in means:
                 continue
-            keys = sum(p["master"]["keys"] for p in mine) / lookups
-            calls = sum(p["master"]["calls"] for p in mine) / lookups
-            cost_us = sum(p["master"]["net_ms"] for p in mine) / lookups * 1e3
-            key_us = max(0.0, cost_us - calls * per_call) / keys if keys else per_key
-            shapes.setdefault(w["kind"], {})[client] = Shape(keys / blocks, calls, key_us)
+            calls, keys, cost_us = means[(w["kind"], client)]
+            call_us = max(0.0, cost_us - keys * per_key) / calls if calls else per_call
+            shapes.setdefault(w["kind"], {})[client] = Shape(keys / blocks, calls, call_us)
     return Model(per_call, per_key, shapes, settings, 1)
 
 
@@ -146,7 +173,7 @@ def from_runs(hs: Sequence[dict[str, Any]]) -> Model:
     med = statistics.median
     shapes = {w: {c: Shape(med(m.shapes[w][c].keys_per_block for m in models),
                            med(m.shapes[w][c].calls_per_lookup for m in models),
-                           med(m.shapes[w][c].per_key_us for m in models))
+                           med(m.shapes[w][c].per_call_us for m in models))
                   for c in models[0].shapes[w]} for w in models[0].shapes}
     settings = {w: {k: med(m.settings[w][k] for m in models) for k in s} for w, s in models[0].settings.items()}
     return Model(med(m.per_call_us for m in models), med(m.per_key_us for m in models), shapes, settings,
@@ -195,4 +222,4 @@ def check_against(model: Model, h: dict[str, Any], n: int = CHECK_N) -> list[dic
 
 
 __all__ = ["CHECK_N", "CLIENTS", "Load", "Model", "Shape", "check_against", "fit", "fitted_phases", "from_run",
-           "from_runs", "measured_cores", "project"]
+           "from_runs", "key_cost", "measured_cores", "project"]

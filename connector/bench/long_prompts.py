@@ -64,7 +64,7 @@ class Length:
 
 FULL = (Length(8, 200, 4), Length(64, 200, 2), Length(512, 120, 1, 2, 8), Length(4096, 60, 1, 6, 4))
 QUICK = (Length(8, 40, 4), Length(64, 40, 2), Length(512, 24, 1, 2, 4), Length(4096, 12, 1, 6, 2))
-FULL_ROUNDS, QUICK_ROUNDS = 6, 2
+FULL_ROUNDS, QUICK_ROUNDS = 10, 2
 # f-load: 64-block prompts, LOAD_ARRIVALS a step (upstream's one thread answers about 4 a step here)
 LOAD_ARRIVALS = 8
 FULL_LOAD = Length(64, 150, LOAD_ARRIVALS, fill=64)

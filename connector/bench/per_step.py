@@ -35,6 +35,23 @@ KS = (1, 4, 16, 64)
 CLIENTS = ("upstream", "ours/pipelined")
 
 
+def ask_once(client: Any, ours: bool, pending: dict[str, tuple[int, list[bytes]]]) -> dict[str, Any]:
+    """One step's asks, as vLLM's scheduler makes them: each pending lookup asked once (``non_block``), the answered
+    ones taken out of ``pending`` (ours: discarded, as an allocated request is), then ours' ``end_step``; returns
+    the answers by request id."""
+    answered = {}
+    for req_id, (n, hashes) in list(pending.items()):
+        result = client.lookup(req_id, n, hashes, non_block=True)
+        if result is not None:
+            answered[req_id] = result
+            del pending[req_id]
+            if ours:
+                client.discard(req_id)
+    if ours:
+        client.end_step()
+    return answered
+
+
 def one_round(client: Any, batch: Sequence[WorkloadRequest], tag: str, step_s: float, *,
               timeout_s: float = 30.0) -> tuple[float, int, int]:
     """One step's arrivals until all are answered: seconds on the caller's thread, steps taken, hit tokens."""
@@ -50,15 +67,7 @@ def one_round(client: Any, batch: Sequence[WorkloadRequest], tag: str, step_s: f
         for req_id, n, hashes in asks:
             client.start(req_id, n, hashes, admission=True)
     while True:
-        for req_id, (n, hashes) in list(pending.items()):
-            result = client.lookup(req_id, n, hashes, non_block=True)
-            if result is not None:
-                hit_tokens += result.hit_length
-                del pending[req_id]
-                if ours:
-                    client.discard(req_id)
-        if ours:
-            client.end_step()
+        hit_tokens += sum(result.hit_length for result in ask_once(client, ours, pending).values())
         spent += time.perf_counter() - t0
         steps += 1
         if not pending:
@@ -106,4 +115,4 @@ def run(rig: ClientMaker, requests: Sequence[WorkloadRequest], *, ks: Sequence[i
     return out
 
 
-__all__ = ["CLIENTS", "KS", "one_round", "run"]
+__all__ = ["CLIENTS", "KS", "ask_once", "one_round", "run"]

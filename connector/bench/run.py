@@ -53,7 +53,7 @@ CALL_SEED = 1  # the requests of (a), (a4), (d)'s old rotation and the solo rows
 
 @dataclass(frozen=True)
 class Sizes:
-    """How much each scenario does: ``quick`` (a test, a few minutes) or full (about 20 minutes)."""
+    """How much each scenario does: ``quick`` (a test, a few minutes) or full (under half an hour on 2 cores)."""
 
     call_requests: int
     burst_n: int
@@ -75,8 +75,8 @@ class Sizes:
 
 QUICK = Sizes(100, 256, 1, 100, 20, 2.0, (BUDGET_US,), 6, long_prompts.QUICK, long_prompts.QUICK_ROUNDS,
               long_prompts.QUICK_LOAD, 1, 5, multi_turn.QUICK, False, fleet.QUICK)
-FULL = Sizes(1000, 256, 5, 600, 100, 5.0, (BUDGET_US, 500, 1000), 60, long_prompts.FULL, long_prompts.FULL_ROUNDS,
-             long_prompts.FULL_LOAD, 4, 30, multi_turn.FULL, True, fleet.FULL)
+FULL = Sizes(1000, 256, 5, 600, 100, 5.0, (BUDGET_US, 500, 1000), 100, long_prompts.FULL, long_prompts.FULL_ROUNDS,
+             long_prompts.FULL_LOAD, 6, 30, multi_turn.FULL, True, fleet.FULL)
 
 
 def _modes(sizes: Sizes) -> list[Any]:
@@ -118,8 +118,10 @@ def run_bench(out_dir: str, *, quick: bool = False, only: Sequence[str] | None =
     if set(chosen) - {"h"}:
         raw_latency = _on_the_rig(results, sizes, chosen, t_start, log)
     if "h" in chosen:
-        log(f"(h) a fleet of {', '.join(map(str, sizes.fleet.ns))} engines' lookup paths on one master ...")
+        step = _Timer(results, log)
+        step("h", f"(h) a fleet of {', '.join(map(str, sizes.fleet.ns))} engines' lookup paths on one master ...")
         results["h"] = fleet.run(sizes.fleet, log=log)
+        step.stop()
     results["machine"]["loadavg_at_end"] = list(os.getloadavg())
     results["targets"] = targets(results)
     results["seconds"] = time.perf_counter() - t_start
@@ -134,6 +136,28 @@ def run_bench(out_dir: str, *, quick: bool = False, only: Sequence[str] | None =
     return results
 
 
+class _Timer:
+    """Logs each scenario's start and keeps how long each took (``results["scenario_seconds"]``)."""
+
+    def __init__(self, results: dict[str, Any], log: Callable[[str], None]) -> None:
+        self.seconds: dict[str, float] = results.setdefault("scenario_seconds", {})
+        self.log = log
+        self.name: str | None = None
+        self.t0 = 0.0
+
+    def __call__(self, name: str, message: str) -> None:
+        """Scenario ``name`` starts now (the one before ends)."""
+        self.stop()
+        self.name, self.t0 = name, time.perf_counter()
+        self.log(message)
+
+    def stop(self) -> None:
+        """The running scenario ends now."""
+        if self.name is not None:
+            self.seconds[self.name] = time.perf_counter() - self.t0
+            self.name = None
+
+
 def _on_the_rig(results: dict[str, Any], sizes: Sizes, chosen: Sequence[str], t_start: float,
                 log: Callable[[str], None]) -> dict[str, Any]:
     """Scenarios (a)-(g) on one rig, in order; returns (a)'s raw latencies for the plots."""
@@ -145,56 +169,59 @@ def _on_the_rig(results: dict[str, Any], sizes: Sizes, chosen: Sequence[str], t_
     call_reqs = shared_prefix_workload(sizes.call_requests, num_prefixes=4, seed=CALL_SEED)
     burst_reqs = shared_prefix_workload(sizes.burst_n, num_prefixes=4, seed=2)
     raw_latency: dict[str, Any] = {}
-    log("starting a Mooncake master, the lookup server process and the floor's process ...")
+    step = _Timer(results, log)
+    step("rig", "starting a Mooncake master, the lookup server process and the floor's process ...")
     with Rig(namespace="bench", floor="a" in chosen) as rig:
         rig.index.store_prefixes([r.block_hashes[:4] if i % 2 else r.block_hashes
                                   for i, r in enumerate(call_reqs + burst_reqs)])
         results["rig_start_s"] = time.perf_counter() - t_start
         freeze_startup_heap()  # as vLLM's engine does once started: no full collection lands in a timed call
         if "a" in chosen:
-            log("(a) scheduler-path cost of one call, with the round-trip, touch and split floors ...")
+            step("a", "(a) scheduler-path cost of one call, with the round-trip, touch and split floors ...")
             a = call.run(rig, call_reqs, rig.floor)
             raw_latency = a.pop("raw")
             results["floors"] = a.pop("floors")
             results["a"] = a
         if "a4" in chosen:
-            log("(a4) k lookups arriving in one step ...")
+            step("a4", "(a4) k lookups arriving in one step ...")
             results["a4"] = per_step.run(rig, call_reqs, rounds=sizes.per_step_rounds)
         if "a" in chosen or "a4" in chosen:
-            log("(a), (a4): ours with no telemetry, and with every span, each in a process of its own ...")
+            step("a-solo", "(a), (a4): ours with no telemetry, and with every span, each in a process of its own ...")
             rows = solo.run_rows(rig, call_spec, ks=per_step.KS, a4_rounds=sizes.per_step_rounds)
             if "a" in chosen:
                 results["a"].update(rows["a"])
             if "a4" in chosen:
                 results["a4"]["clients"].update(rows["a4"])
         if "backends" in chosen:
-            log("server side: one lookup per backend ...")
+            step("backends", "server side: one lookup per backend ...")
             results["backends"] = _backends(rig, sizes.backend_rounds)
         if "b" in chosen:
-            log(f"(b) burst of {sizes.burst_n} ...")
+            step("b", f"(b) burst of {sizes.burst_n} ...")
             results["b"] = burst.run(rig, burst_reqs, repeats=sizes.burst_repeats)
         if "c" in chosen:
-            log("(c) vLLM's scheduler per lookup mode ...")
+            step("c", "(c) vLLM's scheduler per lookup mode ...")
             workload = sched.Workload()
             results["c"] = {"steps": sizes.sched_steps, "arrivals_per_step": 4, "model_step_ms": 1.5,
                             "modes": [sched.run_mode(rig, workload, m, steps=sizes.sched_steps).as_dict()
                                       for m in _modes(sizes)]}
         if "e" in chosen:
-            log("(e) store slowed, then stopped ...")
+            step("e", "(e) store slowed, then stopped ...")
             results["e"] = fault.run(rig, call_reqs[:sizes.fault_requests], wait_s=sizes.fault_wait_s)
         if "f" in chosen:
-            log("(f) prompts of 8 to 4,096 blocks through vLLM's scheduler ...")
+            step("f", "(f) prompts of 8 to 4,096 blocks through vLLM's scheduler ...")
             results["f"] = long_prompts.run(rig, sizes.lengths, rounds=sizes.f_rounds)
         if "f-load" in chosen:
-            log(f"(f-load) 64-block prompts, {sizes.f_load.arrivals_per_step} arrivals a step ...")
+            step("f-load", f"(f-load) 64-block prompts, {sizes.f_load.arrivals_per_step} arrivals a step ...")
             results["f_load"] = long_prompts.run_load(rig, sizes.f_load)
         if "d" in chosen:
-            log("(d) telemetry as deployed vs none, (f) at 64 blocks, each in processes of its own ...")
+            step("d", "(d) telemetry as deployed vs none, (f) at 64 blocks, each in processes of its own ...")
             results["d"] = overhead.run(rig, rounds=sizes.d_rounds)
         if "g" in chosen:
-            log("(g) multi-turn conversations through vLLM's scheduler"
+            step("g", "(g) multi-turn conversations through vLLM's scheduler"
                 + (", also in vLLM's key layout ..." if sizes.vllm_layout else " ..."))
             results["g"] = multi_turn.run(rig, sizes.conversations, layout=sizes.vllm_layout)
+        step("rig-stop", "stopping the rig ...")
+    step.stop()
     return raw_latency
 
 
@@ -235,6 +262,9 @@ def format_report(r: dict[str, Any]) -> str:
     for key, block in REPORT_BLOCKS:
         if key in r:  # a run that did not measure a scenario (an older record, say) just lacks its block
             lines += block(r) + [""]
+    if r.get("scenario_seconds"):
+        lines += ["time taken, s: " + ", ".join(f"{k} {v:.0f}" for k, v in r["scenario_seconds"].items())
+                  + (f"; the whole run {r['seconds']:.0f}" if "seconds" in r else ""), ""]
     return "\n".join(lines + targets_block(r["targets"]))
 
 

@@ -35,7 +35,7 @@ def add_size_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--blocks", type=float, metavar="P", help="blocks per prompt (prompt tokens / vLLM's block size)")
     p.add_argument("--workload", choices=KINDS, help="which measured workload the engines look like: shared-prefix "
                    "(prompts share a prefix, each asked once) or multi-turn (conversations re-sending their context); "
-                   "with --prometheus, optional: whose cost per key to use")
+                   "with --prometheus, optional: whose cost per store call to use")
     p.add_argument("--master-cpus", type=float, default=1.0, help="CPU cores the master has (default 1)")
     p.add_argument("--runs", type=Path, default=None, metavar="PATH",
                    help="the measured model: a bench.json of `bench --only h`, or a folder of run-N.json (default: "
@@ -94,8 +94,9 @@ def report(model: Model, sources: list[str], heading: str, loads: dict[str, Load
     """The text the command prints."""
     up, ours = loads["upstream"].master_cores, loads["ours"].master_cores
     lines = [heading,
-             f"model: {model.per_call_us:.1f} us of the master's CPU a store call, and per key what the "
-             f"workload's keys cost (scenario h of {', '.join(sources)})", "", *_table(loads, engines, master_cpus), ""]
+             f"model: {model.per_key_us:.2f} us of the master's CPU a key, and per store call what the "
+             f"workload's calls cost (scenario h of {', '.join(sources)})", "",
+             *_table(loads, engines, master_cpus), ""]
     if up:
         lines.append(f"ours / upstream: {ours / up:.2f} of the master's CPU")
     return "\n".join(lines + notes) + "\n"
@@ -119,10 +120,10 @@ def _live(args: argparse.Namespace, model: Model) -> dict[str, Any]:
     from mooncake_lookout.connector.cli.size_prom import read_live
 
     live = read_live(args.prometheus, args.selector, args.master_selector, args.window, block_size=args.block_size)
-    key_us = {c: model.shapes[args.workload][c].per_key_us if args.workload else model.per_key_us
-              for c in ("ours", "upstream")}
-    ours_us = live.calls_per_lookup * model.per_call_us + live.keys_per_lookup * key_us["ours"]
-    up_us = model.per_call_us + live.blocks_per_lookup * key_us["upstream"]
+    call_us = {c: model.shapes[args.workload][c].per_call_us if args.workload else model.per_call_us
+               for c in ("ours", "upstream")}
+    ours_us = live.calls_per_lookup * call_us["ours"] + live.keys_per_lookup * model.per_key_us
+    up_us = call_us["upstream"] + live.blocks_per_lookup * model.per_key_us
     loads = {"ours": Load("ours", live.lookups_per_s, live.master_calls_per_s, live.master_keys_per_s,
                           live.lookups_per_s * ours_us / 1e6, ours_us),
              "upstream": Load("upstream", live.lookups_per_s, live.lookups_per_s,
@@ -133,8 +134,8 @@ def _live(args: argparse.Namespace, model: Model) -> dict[str, Any]:
     notes = ["upstream: what vLLM's own client would ask of the master (every block of every prompt, one call a "
              "lookup)",
              "ours: what the master was asked (all its existence checks, put on these engines' lookups)",
-             "a key's cost: " + (f"the {args.workload} workload's" if args.workload
-                                 else "the fit over every workload (--workload picks one)")]
+             "a call's cost: " + (f"the {args.workload} workload's" if args.workload
+                                  else "the fit over every workload (--workload picks one)")]
     return {"heading": heading, "engines": live.engines, "loads": loads, "notes": notes, "live": vars(live)}
 
 
