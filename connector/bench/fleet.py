@@ -24,8 +24,9 @@ one with ours (the order alternating): every engine at the same fixed rate, for 
 * the engines' own CPU and the lookup servers' CPU beside the master's, kept out of it (on this 2-core machine
   they compete with the master for the cores).
 
-:func:`calibrate` measures the master's CPU per store call of K keys, for a few K, on the same master: the cost
-per call and per key that the sizing model (:mod:`.fleet_model`) projects from.
+:func:`calibrate` measures the master's CPU per store call of K keys, for a few K, calls back to back on the same
+keys: its cost at its most favourable, reported beside the phases. The sizing model (:mod:`.fleet_model`) is
+fitted to the phases themselves.
 """
 
 from __future__ import annotations
