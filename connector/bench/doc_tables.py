@@ -259,7 +259,8 @@ def render_tuning_figures(runs: Sequence[Run]) -> str:
          across(runs, _a("ours/pipelined", "sync_call_us"), unit="us")],
         ["round trip: blocking lookup on our client (pipelined, metrics+spans), p99", "a",
          across(runs, _a("ours/pipelined", "sync_call_us", "p99"), unit="us")],
-        ["the same without spans, p50", "a", across(runs, _a("ours/pipelined, no spans", "sync_call_us"), unit="us")],
+        ["the same with no telemetry (a process of its own), p50", "a",
+         across(runs, _a("ours/pipelined, no telemetry", "sync_call_us"), unit="us")],
         ["round-trip floor (bare socket + one store call), p50", "floors",
          across(runs, lambda r: get(r, "floors", "round_trip_us", "p50"), unit="us")],
         ["round-trip floor (bare socket + one store call), p99", "floors",
@@ -273,11 +274,12 @@ def render_tuning_figures(runs: Sequence[Run]) -> str:
         rows.append([f"`{label}`: deferred steps per request", "c",
                      across(runs, lambda r, x=label: get(mode(r, x), "mean_deferred_steps"), 2)])
         rows.append([f"`{label}`: one call, p99", "c", across(runs, _call(label, "p99"), unit="us")])
-    for name, client in (("ours with spans", "ours/pipelined"), ("ours without spans", "ours/pipelined, no spans"),
-                         ("upstream", "upstream")):
-        rows.append([f"async cost per lookup on the scheduler's thread, p50: {name}", "a",
-                     across(runs, _a(client, "async_per_lookup_us"), unit="us")])
     rows += [
+        *[[f"async cost per lookup on the scheduler's thread, p50: {name}", "a",
+           across(runs, _a(client, "async_per_lookup_us"), unit="us")]
+          for name, client in (("ours with production telemetry", "ours/pipelined"),
+                               ("ours with every span", "ours/pipelined, always-on spans"),
+                               ("ours with no telemetry", "ours/pipelined, no telemetry"), ("upstream", "upstream"))],
         [f"store stopped: longest blocking call, ours (deadline {_deadline_ms(runs)} ms)", "e",
          across(runs, _stopped_ours_ms, 1, "ms")],
         ["store stopped: longest blocking call, vLLM's client", "e", _upstream_stopped(runs)],
@@ -287,13 +289,12 @@ def render_tuning_figures(runs: Sequence[Run]) -> str:
                      across(runs, lambda r, c=client: get(r, "e", "slowed", c, "sync_call_us", "p99"), unit="us")])
     burst_n = across(runs, lambda r: get(r, "b", "n"), 0)
     for name, client in (("ours on the upstream wire", "ours/upstream-wire"), ("upstream", "upstream"),
-                         ("ours pipelined", "ours/pipelined"), ("ours pipelined without spans",
-                                                                "ours/pipelined, no spans")):
+                         ("ours pipelined", "ours/pipelined"), ("ours pipelined with every span",
+                                                                "ours/pipelined, always-on spans")):
         rows.append([f"burst of {burst_n} new requests, time to all answers: {name}", "b",
                      across(runs, _burst_ms(client), 1, "ms")])
-    for name, key in (("metrics+spans", "median_overhead"), ("metrics only", "metrics_median_overhead"),
-                      ("spans only", "spans_median_overhead")):
-        rows.append([f"telemetry, added to a blocking lookup (median): {name}", "d", across(runs, _pct(key), 1, "%")])
+    rows.append(["telemetry as deployed, added to the mean schedule() time per step of (f) at 64 blocks", "d",
+                 across(runs, _pct("added"), 1, "%")])
     return "\n".join(_table(["figure", "scenario", "measured"], rows) + ["", runs_note(runs)]) + "\n"
 
 
@@ -306,8 +307,9 @@ def _scenario_a(runs: Sequence[Run]) -> list[str]:
             for c in clients]
     rows += [[f"{name} floor", across(runs, lambda r, k=key: get(r, "floors", k, "p50")),
               across(runs, lambda r, k=key: get(r, "floors", k, "p99")), "", ""]
-             for name, key in (("round-trip", "round_trip_us"), ("touch", "touch_us"))]
-    return ["**(a) one lookup call on the scheduler's thread, us** (ours with metrics+spans unless named)", "",
+             for name, key in (("round-trip", "round_trip_us"), ("touch", "touch_us"), ("split", "split_us"))]
+    return ["**(a) one lookup call on the scheduler's thread, us** (ours with production telemetry unless named; the "
+            "named rows each in a process of its own; the floors are reported, not targeted)", "",
             *_table(["client", "sync p50", "sync p99", "async first call p50", "async per lookup p50"], rows)]
 
 
@@ -344,11 +346,11 @@ def _scenario_c(runs: Sequence[Run]) -> list[str]:
 
 
 def _scenario_d(runs: Sequence[Run]) -> list[str]:
-    rows = [[v, across(runs, lambda r, v=v: get(r, "d", f"{v}_us", "p50")),
-             across(runs, _pct(f"{v}_median_overhead"), 1) if v != "off" else ""]
-            for v in ("off", "metrics", "spans", "on")]
-    return ["**(d) telemetry: blocking lookup end to end**", "",
-            *_table(["telemetry", "p50 (us)", "added median (%)"], rows)]
+    rows = [[v, across(runs, lambda r, v=v: get(r, "d", f"{v}_schedule_us", "mean")),
+             across(runs, lambda r, v=v: get(r, "d", f"{v}_schedule_us", "p50")),
+             across(runs, _pct("added"), 1) if v == "deployed" else ""] for v in ("off", "deployed")]
+    return ["**(d) telemetry as deployed vs none: (f) at 64 blocks, ours async, each variant in processes of its "
+            "own**", "", *_table(["telemetry", "schedule() mean (us)", "schedule() p50 (us)", "added (%)"], rows)]
 
 
 def _scenario_e(runs: Sequence[Run]) -> list[str]:

@@ -19,7 +19,9 @@ this module rewrites each (or, with ``--check``, lists the stale ones and exits 
   files, :mod:`~mooncake_lookout.connector.bench.records`, rendered by
   :mod:`~mooncake_lookout.connector.bench.doc_tables`): ``bench-guarantees`` (docs/reliability.md),
   ``bench-source``, ``bench-modes``, ``bench-figures`` and ``bench-multi-turn`` (docs/tuning.md), ``bench-runs``,
-  ``bench-targets``, ``bench-targets-per-run``, ``bench-scenarios`` and ``bench-reports`` (docs/bench-results.md).
+  ``bench-targets``, ``bench-targets-per-run``, ``bench-scenarios``, ``bench-reports`` and ``bench-fleet``
+  (docs/bench-results.md), ``bench-sizing`` (docs/operations.md) and ``bench-fleet-helm`` (docs/helm.md), the last
+  three by :mod:`~mooncake_lookout.connector.bench.doc_fleet`.
   To publish new runs: ``mooncake-lookout bench --out out-K``, copy each ``out-K/bench.json`` to
   ``docs/bench/run-K.json`` (remove runs that are not replaced), then run this module;
 * ``demo-output`` and ``first-run`` (README): what a newcomer sees and pays, from ``docs/bench/demo.txt`` and
@@ -49,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mooncake_lookout.connector.bench import doc_tables, security_tables, soak_tables
+from mooncake_lookout.connector.bench import doc_fleet, doc_tables, security_tables, soak_tables
 from mooncake_lookout.connector.bench.records import Run, load_demo, load_runs, load_soaks
 from mooncake_lookout.connector.cli import record
 from mooncake_lookout.connector.config import KEYS
@@ -328,6 +330,9 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/bench-results.md", "bench-targets-per-run", _bench(doc_tables.render_targets_per_run)),
     Block("docs/bench-results.md", "bench-scenarios", _bench(doc_tables.render_scenarios)),
     Block("docs/bench-results.md", "bench-reports", _bench(doc_tables.render_reports)),
+    Block("docs/bench-results.md", "bench-fleet", _bench(doc_fleet.render_fleet)),
+    Block("docs/operations.md", "bench-sizing", _bench(doc_fleet.render_sizing)),
+    Block("docs/helm.md", "bench-fleet-helm", _bench(doc_fleet.render_helm_fleet)),
     Block("docs/reliability.md", "soak-table", lambda root: soak_tables.render_soak_table(load_soaks(root))),
     Block("docs/security.md", "server-bounds", lambda root: render_server_bounds()),
     Block("docs/security.md", "bench-security-curve",
