@@ -1,7 +1,7 @@
 # Convenience targets; the README's two commands are scripts/demo.sh and scripts/test.sh.
 PY := .venv/bin/python
 
-.PHONY: setup test demo bench generate check-generated dashboard-images
+.PHONY: setup test demo bench generate check-generated dashboard-images record-demo record-first-run
 
 setup:
 	bash scripts/setup.sh
@@ -34,3 +34,11 @@ check-generated: setup
 # Pictures of the dashboards, drawn from a real Prometheus scraping a real workload (~75 s).
 dashboard-images: setup
 	$(PY) dashboards/render.py --out dashboards/images --seconds 45
+
+# What the README shows a newcomer, recorded with its date, commit and load (then every doc block regenerated):
+# the demo script's whole output (docs/bench/demo.txt), and a first run from a fresh clone (docs/bench/first-run.json).
+record-demo:
+	$(PY) -m mooncake_lookout.connector.cli.record demo
+
+record-first-run:
+	$(PY) -m mooncake_lookout.connector.cli.record first-run

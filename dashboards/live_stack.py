@@ -34,7 +34,7 @@ from mooncake_lookout.connector.rigs.master import EmbeddedMaster
 from mooncake_lookout.connector.rigs.processes import stop_process
 from mooncake_lookout.connector.server import LookupServer, ServerObserver
 from mooncake_lookout.connector.server.prefix_index import PrefixIndex
-from mooncake_lookout.connector.server.store import open_store, open_writer_store
+from mooncake_lookout.connector.server.store import MARKER_LOCAL_BUFFER, open_store, open_writer_store
 from mooncake_lookout.metrics.exporter import serve_metrics
 from mooncake_lookout.metrics.prometheus_sink import PrometheusSink
 from mooncake_lookout.metrics.server_sink import ServerMetrics
@@ -174,7 +174,9 @@ class LiveStack(contextlib.ExitStack):
         self.master = self.enter_context(EmbeddedMaster())
         writer = open_writer_store(self.master.rpc_address)
         self.callback(writer.close)
-        reader = open_store(self.master.rpc_address)
+        # A buffer for the server's epoch marker, as `serve` has: with it the clients' prefix caches are on, and the
+        # Tuning dashboard's prefix-cache row has something to show.
+        reader = open_store(self.master.rpc_address, local_buffer_size=MARKER_LOCAL_BUFFER)
         self.callback(reader.close)
         self.filler = PrefixIndex(writer, BLOCK)
         server_registry = CollectorRegistry()

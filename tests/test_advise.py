@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 import tempfile
@@ -263,3 +264,16 @@ def test_a_selector_over_two_configurations_is_refused(idle_prometheus: Promethe
 
 def test_a_selector_prometheus_rejects_is_one_line_and_exit_2(idle_prometheus: Prometheus) -> None:
     _one_line_error(_advise("--prometheus", idle_prometheus.url, "--selector", '{job=~"("}'), 2, "rejected a query")
+
+
+def test_every_step_time_the_report_quotes_is_named() -> None:
+    """Two step times matter: the step interval (what lookups cost a share of) and the step without lookups (what
+    auto's cap is a share of). Each figure the text quotes next to "step" says which one it is."""
+    from mooncake_lookout.connector.cli.advise import report
+
+    f = figures(LookupConfig(lookup_async=False), blocked_s=4.0)
+    now, costs, advice = decide(f)
+    text = report(f, now, costs, advice)
+    quoted = re.findall(r"(\d+(?:\.\d+)? ms) step(?! interval| without lookups)", text)
+    assert quoted == [], text
+    assert f"step interval {costs.step_s * 1e3:.2f} ms" in text and "without lookups" in text

@@ -1,4 +1,11 @@
-"""``mooncake-lookout bench --quick`` runs to the end and writes its outputs (not a speed test)."""
+"""``mooncake-lookout bench --quick`` runs to the end and writes its outputs (not a speed test).
+
+One quick run (a module fixture) serves every test here: the rig's scenarios (a) to (g), the rows measured in
+processes of their own, (f-load), (d) in its processes, and (h), a fleet of 1 and 2 engines on one master, whose
+plumbing is checked against what must hold whatever the machine's speed (the master's counters against the
+prompts asked, the same answers from both clients, every phase's lookups answered, both clocks of the master's
+CPU agreeing).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +19,8 @@ import pytest
 
 from mooncake_lookout.connector.bench import multi_turn
 from mooncake_lookout.connector.bench.conversations import Shape
-from mooncake_lookout.connector.bench.run import AUTO, QUICK, TARGET_IDS, format_report
+from mooncake_lookout.connector.bench.fleet_workloads import MULTI_TURN, SHARED_PREFIX, FleetWorkload
+from mooncake_lookout.connector.bench.run import AUTO, QUICK, SCENARIOS, TARGET_IDS, format_report, selected
 
 SCRIPT = Path(sys.executable).parent / "mooncake-lookout"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -23,7 +31,7 @@ def quick_bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[st
     """One ``bench --quick`` run for the tests of this module: its output folder and its bench.json."""
     out = tmp_path_factory.mktemp("bench")
     proc = subprocess.run([str(SCRIPT), "bench", "--quick", "--out", str(out)], capture_output=True, text=True,
-                          timeout=240)
+                          timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, json.loads((out / "bench.json").read_text())
 
@@ -32,19 +40,20 @@ def quick_bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[st
 def test_quick_bench_writes_json_table_and_plots(quick_bench: tuple[Path, dict[str, Any]]) -> None:
     out, results = quick_bench
     assert results["quick"] is True
-    for client in ("upstream", "ours/upstream-wire", "ours/pipelined"):
-        assert results["a"][client]["sync_call_us"]["n"] == 100
-        assert results["b"][client]["hit_tokens"] > 0
-    hits = {results["b"][c]["hit_tokens"] for c in ("upstream", "ours/upstream-wire", "ours/pipelined")}
-    assert len(hits) == 1, "the clients disagree on what the store holds"
+    solo = ("ours/pipelined, no telemetry", "ours/pipelined, always-on spans")  # each in a process of its own
+    for client in ("upstream", "ours/upstream-wire", "ours/pipelined", *solo):
+        assert results["a"][client]["sync_call_us"]["n"] == 100, client
+    b_clients = ("upstream", "ours/upstream-wire", "ours/pipelined", "ours/pipelined, always-on spans")
+    hits = {results["b"][c]["hit_tokens"] for c in b_clients}
+    assert len(hits) == 1 and hits.pop() > 0, "the clients disagree on what the store holds"
     floors = results["floors"]
-    assert floors["round_trip_us"]["n"] == 100 and floors["touch_us"]["n"] > 0
+    assert floors["round_trip_us"]["n"] == 100 and floors["touch_us"]["n"] > 0 and floors["split_us"]["n"] > 0
     # The touch floor is the caller's side only: it cannot take longer than a whole round trip.
     assert floors["touch_us"]["p50"] < floors["round_trip_us"]["p50"]
     a4 = results["a4"]["clients"]
-    for client in ("upstream", "ours/pipelined"):
+    for client in ("upstream", "ours/pipelined", *solo):
         assert set(a4[client]) == {"1", "4", "16", "64"}
-        assert a4[client]["16"]["hit_tokens"] == a4["upstream"]["16"]["hit_tokens"] > 0
+        assert a4[client]["16"]["hit_tokens"] == a4["upstream"]["16"]["hit_tokens"] > 0, client
     modes = {m["label"]: m for m in results["c"]["modes"]}
     assert {"upstream sync", "upstream async", "ours sync", "ours async", AUTO} <= set(modes)
     assert all(m["finished"] == m["requests"] > 0 for m in modes.values())
@@ -52,9 +61,18 @@ def test_quick_bench_writes_json_table_and_plots(quick_bench: tuple[Path, dict[s
     assert results["e"]["stopped"]["ours/pipelined"]["blocked_s"] is not None
     lengths = results["f"]["lengths"]
     assert [length["blocks"] for length in lengths] == [8, 64, 512, 4096]
-    for length in lengths:
+    for length in [*lengths, results["f_load"]]:
         for m in length["modes"].values():
-            assert m["finished"] == m["requests"] > 0 and m["schedule_us"]["n"] > 0
+            # Every round of a client pooled: its requests all answered and finished.
+            assert m["finished"] == m["requests"] == length["rounds"] * length["steps"] * length["arrivals_per_step"] \
+                // length["arrival_every"] > 0 and m["schedule_us"]["n"] > 0
+    d = results["d"]
+    assert [p["variant"] for p in d["processes"]] == ["off", "deployed"]
+    off, deployed = d["processes"]
+    # Off: vLLM got no stats record from our connector; deployed: it did, and spans left over OTLP/HTTP.
+    assert off["stats_records"] == 0 and not off["tracing"]
+    assert deployed["stats_records"] > 0 and deployed["tracing"] and d["span_posts"] > 0
+    assert d["added"] == pytest.approx(d["deployed_schedule_us"]["mean"] / d["off_schedule_us"]["mean"] - 1)
     assert [t["id"] for t in results["targets"]] == list(TARGET_IDS)
     for t in results["targets"]:
         assert {"id", "what", "ours", "ratio", "bound", "met"} <= set(t) and ("upstream" in t or "floor" in t)
@@ -64,7 +82,8 @@ def test_quick_bench_writes_json_table_and_plots(quick_bench: tuple[Path, dict[s
     table = (out / "bench.txt").read_text()
     assert table.strip() == format_report(results).strip()
     assert "targets (ratio = ours / reference" in table
-    for name in ("latency.png", "modes.png", "burst.png", "per_step.png", "long_prompts.png", "multi_turn.png"):
+    for name in ("latency.png", "modes.png", "burst.png", "per_step.png", "long_prompts.png", "multi_turn.png",
+                 "fleet.png"):
         data = (out / name).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 5000, name
 
@@ -100,3 +119,47 @@ def test_quick_bench_multi_turn_counts_the_store_keys_each_turn_sent(quick_bench
     assert targets["g1"]["ours"] == keys["ours sync"]["from_turn_2"]["keys_per_lookup"]
     assert targets["g1"]["upstream"] == keys["upstream sync"]["from_turn_2"]["keys_per_lookup"]
     assert targets["g2"]["scheduler_path_us"]["ours"] > 0 and "4096-block context" in targets["g2"]["what"]
+
+
+@pytest.mark.slow
+def test_quick_bench_fleet_measures_the_master_alone(quick_bench: tuple[Path, dict[str, Any]]) -> None:
+    """Scenario (h): the master's counters and CPU per phase, both clients giving the same answers."""
+    _, results = quick_bench
+    h = results["h"]
+    assert h["ns"] == [1, 2] and len(h["phases"]) == 2 * 2 * 2
+    assert [p["keys"] for p in h["calibration"]["points"]] == [1, 16, 128, 1024]
+    workloads = {w["kind"]: FleetWorkload(w["kind"], w["rate"], w["burst"]) for w in h["workloads"]}
+    for p in h["phases"]:
+        where = (p["workload"], p["n"], p["client"])
+        m = p["master"]
+        w = workloads[p["workload"]]
+        asked = [r for e in range(p["n"]) for r in w.requests(w.requests_in(h["seconds"]), e, "x")]
+        assert p["unanswered"] == 0 and p["lookups"] == p["arrived"] == len(asked), where
+        # The master's CPU on both clocks (its threads all lived through the phase), net of its idle rate.
+        assert m["threads_exited"] == 0 and m["cpu_ms"] >= m["net_ms"] > 0, where
+        assert abs(m["ticks_ms"] - m["cpu_ms"]) <= 20 + 0.1 * m["cpu_ms"], where
+        assert p["clients_cpu_ms"] > 0 and p["servers_cpu_ms"] > 0, where
+        if p["client"] == "upstream":
+            # vLLM's client asks every block of every prompt, one store call a lookup: the master counted exactly that.
+            assert m["keys"] == sum(len(r.block_hashes) for r in asked) and m["calls"] == len(asked), where
+        else:
+            up = next(q for q in h["phases"] if q["workload"] == p["workload"] and q["n"] == p["n"]
+                      and q["client"] == "upstream")
+            assert m["keys_per_lookup"] < up["master"]["keys_per_lookup"] and m["calls_per_lookup"] <= 1, where
+            assert p["hit_tokens"] == up["hit_tokens"] > 0, where  # the same answers
+    summary = h["summary"]
+    assert set(summary) == {SHARED_PREFIX, MULTI_TURN}
+    for s in summary.values():
+        assert s["ratio"] == pytest.approx(s["ours"]["master_per_1000_ms"] / s["upstream"]["master_per_1000_ms"])
+    targets = {t["id"]: t for t in results["targets"]}
+    assert targets["h1"]["ratio"] == summary[MULTI_TURN]["ratio"]
+    assert targets["h2"]["ratio"] == summary[SHARED_PREFIX]["ratio"]
+    assert "(h) a fleet on one master" in format_report(results)
+
+
+def test_only_names_the_scenarios_it_knows() -> None:
+    assert selected(None) == SCENARIOS and selected(["h", "f"]) == ("f", "h")
+    with pytest.raises(ValueError, match="unknown scenario 'x'"):
+        selected(["x", "h"])
+    done = subprocess.run([str(SCRIPT), "bench", "--only", "f,zz"], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "unknown scenario 'zz'" in done.stderr and "f-load" in done.stderr

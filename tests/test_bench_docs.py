@@ -1,6 +1,7 @@
 """The docs' measured figures come from the committed runs, and a doc that drifts from them fails the suite.
 
-* A hand edit of a generated figure (README, tuning guide, bench results) is caught by ``cli.docs --check``,
+* A hand edit of a generated figure (README, tuning guide, bench results, reliability, metrics and security
+  pages) is caught by ``cli.docs --check``,
   and so is a committed run whose figures changed under docs that were not regenerated.
 * Whatever targets a run lists are rendered, with their ``what`` and ``bound`` texts: a new scenario's targets
   need no change to the renderer. Several runs render a column (or a ``/``-separated figure) each, beside
@@ -27,7 +28,8 @@ from mooncake_lookout.connector.cli.docs import BLOCKS, end_marker, extract, sta
 from mooncake_lookout.connector.rigs.machine import commit
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH_BLOCKS = [b for b in BLOCKS if b.name.startswith(("bench-", "demo-output", "soak-"))]
+BENCH_BLOCKS = [b for b in BLOCKS if b.name.startswith(("bench-", "demo-output", "soak-", "first-run", "sink-cost",
+                                                         "security-"))]
 
 
 @pytest.fixture
@@ -81,7 +83,7 @@ def test_a_run_whose_figures_changed_makes_the_docs_stale(checkout: Path) -> Non
     results["c"]["modes"][0]["call_us"]["p99"] += 1000.0
     path.write_text(json.dumps(results))
     stale = stale_blocks(checkout)
-    assert "README.md: bench-targets" in stale and "docs/bench-results.md: bench-targets-per-run" in stale
+    assert "docs/bench-results.md: bench-targets" in stale and "docs/bench-results.md: bench-targets-per-run" in stale
     assert "docs/tuning.md: bench-modes" in stale
     stale_blocks(checkout, write=True)  # the generator brings the docs back in step
     assert stale_blocks(checkout) == []
@@ -166,8 +168,24 @@ def test_each_committed_soak_renders_a_column_with_its_settings_and_load() -> No
         assert s.results["machine"]["loadavg_at_end"] and s.results["settings"]["fault_rate"] > 0
         assert f"`{s.path}`" in table and s.load_text in table
         assert f"**{s.results['calls_over_bound']:,}** over" in table
-    summary = soak_tables.render_soak_summary(soaks)
-    assert summary.count("\n| ") == len(soak_tables.SUMMARY) + 1
+
+
+
+def test_the_soak_commands_reproduce_the_committed_settings() -> None:
+    """docs/reliability.md's "run it yourself" gives each committed soak's own settings (not the defaults), with
+    flags the soak accepts."""
+    soaks = load_soaks(ROOT)
+    flags = subprocess.run([sys.executable, "-m", "mooncake_lookout.connector.rigs.soak", "--help"],
+                           capture_output=True, text=True, timeout=60, check=True).stdout
+    for s in soaks:
+        command = soak_tables.soak_command(s)
+        given = dict(re.findall(r"--([a-z-]+) (\S+)", command))
+        assert float(given["fault-rate"]) == s.results["settings"]["fault_rate"]
+        assert int(given["master-kills"]) == s.results["settings"]["master_kills"]
+        assert int(given["lookups"]) == s.results["lookups"] and given["transport"] == s.transport
+        assert float(given["timeout-ms"]) == s.results["timeout_ms"]
+        assert [f for f in re.findall(r"--[a-z-]+", command) if f not in flags] == []
+        assert command in (ROOT / "docs" / "reliability.md").read_text()
 
 
 def test_no_committed_soak_is_a_clear_error(tmp_path: Path) -> None:

@@ -18,18 +18,18 @@ SCRIPT = Path(sys.executable).parent / "mooncake-lookout"
 def test_console_script_lists_every_subcommand() -> None:
     out = subprocess.run([str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    for name in ("demo", "bench", "serve", "doctor", "advise"):
+    for name in ("demo", "bench", "serve", "doctor", "advise", "size"):
         assert name in out.stdout
 
 
 def test_every_subcommand_has_a_handler() -> None:
     parser = build_parser()
     for argv in (["demo"], ["bench", "--quick"], ["serve", "--embedded-master"], ["doctor"],
-                 ["advise", "--prometheus", "http://127.0.0.1:9090"]):
+                 ["advise", "--prometheus", "http://127.0.0.1:9090"], ["size", "--engines", "4"]):
         assert callable(parser.parse_args(argv).func)
 
 
-@pytest.mark.parametrize("text,seconds", [("small", 4.5), ("default", 9.0), ("12.5", 12.5)])
+@pytest.mark.parametrize("text,seconds", [("small", 5.0), ("default", 10.0), ("12.5", 12.5)])
 def test_duration_accepts_seconds_and_names(text: str, seconds: float) -> None:
     assert parse_duration(text) == seconds
 

@@ -45,9 +45,9 @@ def test_round_trip_through_extra_config() -> None:
     assert config.mode == "budget" and config.wait_s == pytest.approx(200e-6)
 
 
-def test_readme_configuration_table_is_current() -> None:
+def test_the_configuration_page_table_is_current() -> None:
     from mooncake_lookout.connector.cli.docs import extract, render_config_table
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert extract(readme, "config-table") == render_config_table(), \
-        "README's table is stale: python -m mooncake_lookout.connector.cli.docs"
+    page = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    assert extract(page, "config-table") == render_config_table(), \
+        "docs/configuration.md's table is stale: python -m mooncake_lookout.connector.cli.docs"

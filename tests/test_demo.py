@@ -99,24 +99,38 @@ def gone(pid: int, timeout_s: float = 15.0) -> bool:
     return False
 
 
+FIVE = ("upstream sync", "upstream async", "ours sync", "ours async", "ours auto")
+
+
 def test_short_demo_prints_the_table_serves_metrics_and_exits_cleanly(demo_factory) -> None:
+    """The default demo: five rows (vLLM's own client and ours, blocking and async, ours with auto), a legend
+    naming every column, two lines reading the run; the progress of each mode counts from its first step."""
     demo = demo_factory("--duration", "small", "--keep-running")
     url = demo.wait_for(r"^metrics: (http://127\.0\.0\.1:\d+/metrics)$").group(1)
     pids = demo.wait_for(r"Mooncake master pid (\d+) .* lookup servers pid (\d+)")
     master_pid, servers_pid = int(pids.group(1)), int(pids.group(2))
     assert os.path.exists(f"/proc/{master_pid}")
 
-    demo.wait_for(r"^\[async ")  # the run is on: /metrics answers with our families
+    demo.wait_for(r"^\[ours async ")  # our client's run is on: /metrics answers with our families
     during = scrape(url)
     assert f"# TYPE {catalogue.REQUESTS.sample_names[0]} counter" in during
 
-    demo.wait_for(r"^mode +requests")
-    rows = {m: demo.wait_for(rf"^{m}\b.*") for m in ("sync", "async", "budget")}
-    for m, row in rows.items():
-        fields = row.group(0).split()
-        requests = int(fields[2] if m == "budget" else fields[1])
-        assert requests > 0, row.group(0)
-    assert float(rows["sync"].group(0).split()[4]) == 0.0, "sync mode never defers"
+    head = demo.wait_for(r"^mode +requests .*hit ratio$").group(0)
+    rows = {m: demo.wait_for(rf"^{m} +\d.*").group(0).split()[2:] for m in FIVE}
+    for m, fields in rows.items():
+        assert int(fields[0]) > 0, (m, fields)
+    for m in ("upstream sync", "ours sync"):
+        assert float(rows[m][3]) == 0.0, f"{m} never defers"
+    assert rows["upstream sync"][-1] == "-" and float(rows["ours sync"][-1]) > 0  # upstream's client counts no hits
+    legend = []
+    while not (line := demo.wait_for(r".*").group(0)).startswith("Reading:"):
+        legend.append(line)
+    words = head.split()[1:]  # every word of every column's name is in the legend
+    assert [w for w in words if not re.search(rf"(^|\s){re.escape(w)}\b", " ".join(legend))] == [], (words, legend)
+    reading = line + "\n" + demo.wait_for(r"^ours auto waited .*").group(0)
+    blocked = {m: float(rows[m][1]) for m in FIVE}
+    assert f"{blocked['upstream sync']:.0f} -> {blocked['upstream async']:.0f} us" in reading, reading
+    assert f"{blocked['ours sync']:.0f} -> {blocked['ours async']:.0f} us" in reading, reading
     demo.wait_for(r"/metrics stays up at ")
 
     after = scrape(url)
@@ -125,6 +139,15 @@ def test_short_demo_prints_the_table_serves_metrics_and_exits_cleanly(demo_facto
     for m in catalogue.MODES:
         assert sample(after, catalogue.SCHEDULER_BLOCKED_SECONDS.name + "_count", f'{{mode="{m}"}}') > 0
     assert sample(after, catalogue.HIT_TOKENS.name + "_total") > 0
+
+    firsts = {}
+    for text in demo.lines:
+        progress = re.match(r"^\[(.+?) *\] +([\d.]+)/([\d.]+) s +steps +(\d+)", text)
+        if progress:
+            firsts.setdefault(progress.group(1), progress.groups()[1:])
+    assert sorted(firsts) == sorted(FIVE), firsts
+    for m, (elapsed, _, steps) in firsts.items():  # each mode's clock starts at its first step, not before
+        assert (elapsed, steps) == ("0.0", "1"), (m, elapsed, steps)
 
     assert gone(master_pid) and gone(servers_pid), "the master or the server process outlived the run"
     demo.proc.send_signal(signal.SIGINT)
@@ -136,7 +159,7 @@ def test_short_demo_prints_the_table_serves_metrics_and_exits_cleanly(demo_facto
 def test_sigterm_mid_run_stops_every_process(demo_factory) -> None:
     demo = demo_factory("--duration", "60")
     pids = demo.wait_for(r"Mooncake master pid (\d+) .* lookup servers pid (\d+)")
-    demo.wait_for(r"^\[sync ")
+    demo.wait_for(r"^\[upstream sync ")
     demo.proc.send_signal(signal.SIGTERM)
     assert demo.rest() == 130
     assert any("interrupted" in line for line in demo.lines)
@@ -154,7 +177,7 @@ def test_multi_turn_demo_shows_what_the_prefix_cache_spared_the_store(demo_facto
     demo.wait_for(r"within the master's key lease \(10000 ms\)")
     head = demo.wait_for(r"^mode +requests .* known +keys/lookup +no-RTT$")
     assert head
-    fields = demo.wait_for(r"^async\b.*").group(0).split()
+    fields = demo.wait_for(r"^ours async\b.*").group(0).split()[1:]
     requests, known, keys_per_lookup, no_rtt = int(fields[1]), float(fields[9]), float(fields[10]), int(fields[11])
     assert requests > 16, fields  # more than four conversations' worth of turns
     # A quarter of the lookups are first turns (every block asked); a later turn knows what came before.

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from mooncake_lookout.connector.cli.doctor import check_master, probe_server
+from mooncake_lookout.connector.cli.doctor import check_config, check_master, probe_server
+from mooncake_lookout.connector.rigs.processes import ChildProcess
+
+SCRIPT = Path(sys.executable).parent / "mooncake-lookout"  # the console script, as a user runs it
 
 
 @pytest.fixture
@@ -55,3 +62,39 @@ def test_unreachable_master_is_reported() -> None:
     findings = check_master(f"http://127.0.0.1:{free_port()}", timeout_s=0.5)
     assert len(findings) == 1 and not findings[0].ok
     assert "unreachable" in findings[0].detail
+
+
+def test_a_dead_address_gets_one_verdict_and_no_stray_lines() -> None:
+    """The command against nothing: each wire's verdict on stdout, and nothing on stderr (the transport's socket
+    rebuilds are said in the verdict, once, not printed before it)."""
+    path = os.path.join(tempfile.mkdtemp(prefix="doctor-"), "nobody.sock")
+    done = subprocess.run([str(SCRIPT), "doctor", "--server", f"ipc://{path}", "--samples", "2", "--timeout-ms",
+                           "100"], capture_output=True, text=True, timeout=60)
+    os.rmdir(os.path.dirname(path))
+    assert done.returncode == 1
+    assert done.stderr == ""
+    verdicts = [line for line in done.stdout.splitlines() if line.startswith("FAIL  server")]
+    assert len(verdicts) == 2 and all("socket was rebuilt once" in v for v in verdicts), done.stdout
+
+
+def test_the_config_line_names_auto_without_a_unit() -> None:
+    finding, config = check_config('{"lookup_async": true, "lookup_wait_us": "auto"}')
+    assert finding.ok and config is not None
+    assert finding.detail.endswith("wait auto"), finding.detail
+    assert check_config('{"lookup_wait_us": 300}')[0].detail.endswith("wait 300 us")
+
+
+def test_serve_with_an_embedded_master_names_the_url_doctor_needs() -> None:
+    """``serve --embedded-master`` prints its master's metrics URL; ``doctor --master-metrics`` on it passes."""
+    serve = ChildProcess([str(SCRIPT), "serve", "--embedded-master", "--log-level", "WARNING"], name="serve")
+    try:
+        line = serve.wait_line(lambda text: "embedded Mooncake master on" in text, 60.0, "the master's line")
+        url = re.search(r"doctor --master-metrics (http://127\.0\.0\.1:\d+)", line)
+        assert url, line
+        serve.wait_line("listening on ", 60.0, "serve")
+        done = subprocess.run([str(SCRIPT), "doctor", "--master-metrics", url.group(1)], capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "ok    master /health" in done.stdout
+    finally:
+        serve.kill()

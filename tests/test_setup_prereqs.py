@@ -16,6 +16,8 @@ In that root
 and the step
 
 * names what is missing with ``--dry-run`` (``python3-venv`` and ``npm`` among them) and installs nothing;
+  with ``--demo`` (what ``scripts/demo.sh`` runs) it names only what the demo needs: ``python3-venv`` and
+  ``libibverbs1``, none of the test tools;
 * refuses to install as a non-root user, naming the command to run as root;
 * installs them as root with ``apt-get update`` and ``apt-get install``, as on a real machine, the local
   repository in the mirror's place; after it ``python3 -m venv`` gives a venv with pip and ``npm`` runs, which is
@@ -71,6 +73,7 @@ rm -f "$R/etc/resolv.conf" "$R/etc/apt/sources.list" "$R"/etc/apt/sources.list.d
 echo "$SOURCE" >"$R/etc/apt/sources.list.d/lookout-local.list"
 phase image '' 60 "python3 -V; python3 -c 'import ensurepip' && echo ensurepip; command -v npm || echo no-npm"
 phase dry_run '' 60 "$step --dry-run"
+phase demo_dry_run '' 60 "$step --demo --dry-run"
 phase not_root 65534:65534 60 "$step"
 phase npm_after_not_root '' 60 "command -v npm || echo no-npm"
 phase install '' 300 "$step"
@@ -78,8 +81,8 @@ phase sources '' 60 "apt-cache policy"
 phase use '' 120 "python3 -m venv /tmp/v && /tmp/v/bin/python -m pip --version && npm --version"
 phase second_dry_run '' 60 "$step --dry-run"
 """
-PHASES = ("network", "mirror", "image", "dry_run", "not_root", "npm_after_not_root", "install", "sources", "use",
-          "second_dry_run")
+PHASES = ("network", "mirror", "image", "dry_run", "demo_dry_run", "not_root", "npm_after_not_root", "install",
+          "sources", "use", "second_dry_run")
 
 
 class Phases:
@@ -169,6 +172,14 @@ def test_the_dry_run_prints_the_apt_command_with_python3_venv_and_npm(phases: Ph
     assert line.startswith("apt-get update && apt-get install -y --no-install-recommends ")
     packages = line.split("--no-install-recommends ", 1)[1].split()
     assert {"python3-venv", "npm", "libibverbs1"} <= set(packages), packages
+
+
+@pytest.mark.timeout(1100)
+def test_the_demos_dry_run_names_only_what_the_demo_needs(phases: Phases) -> None:
+    dry = phases["demo_dry_run"]
+    assert dry.returncode == 0, dry.stderr
+    (line,) = dry.stdout.splitlines()
+    assert line == "apt-get update && apt-get install -y --no-install-recommends python3-venv libibverbs1", line
 
 
 @pytest.mark.timeout(1100)

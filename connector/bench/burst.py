@@ -11,8 +11,8 @@ when it arrives (``start(admission=True)``, vLLM's ``on_new_request``), every st
 
 :func:`run` does it for upstream's client and ours with each transport, the same requests, the same
 server process and store. Our client gets a deadline long enough that no answer in the burst is a timeout
-(checked: the hit tokens of every client must agree). Ours runs with metrics and spans on; one more row
-without spans shows what the span started on each submit costs a burst.
+(checked: the hit tokens of every client must agree). Ours is wired as in production (:mod:`.wiring`); one
+more row with every span recorded shows what a span per lookup costs a burst.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from mooncake_lookout.connector.bench.call import CLIENTS, NO_SPANS, make_client
+from mooncake_lookout.connector.bench.call import CLIENTS, make_client
 from mooncake_lookout.connector.bench.rig import ClientMaker
+from mooncake_lookout.connector.bench.wiring import ALWAYS_ON, PRODUCTION, label
 from mooncake_lookout.connector.rigs.workload import WorkloadRequest, shared_prefix_workload
 
 
@@ -105,20 +106,22 @@ def run(rig: ClientMaker, requests: Sequence[WorkloadRequest], *, repeats: int =
     """Scenario (b): per client of ``names``, the median of ``repeats`` bursts (seconds, steps, hit tokens)."""
     n = len(requests)
     out: dict[str, Any] = {"n": n}
-    # The NO_SPANS row is a diagnosis, not a target: ours pipelined with metrics but no spans.
-    for name in (*names, *([NO_SPANS] if "ours/pipelined" in names else [])):
+    # The always-on row is a diagnosis, not a target: ours pipelined with a span recorded for every lookup.
+    rows = [(name, PRODUCTION) for name in names] + ([("ours/pipelined", ALWAYS_ON)] if "ours/pipelined" in names
+                                                     else [])
+    for name, wiring in rows:
         runs = []
         for i in range(repeats):
             tagged = [type(r)(f"b{i}-{r.req_id}", r.num_tokens, r.block_hashes) for r in requests]
 
-            def factory(name: str = name) -> _Closing:
-                spans = name != NO_SPANS
-                return _Closing(*make_client(rig, name if spans else "ours/pipelined", spans=spans,
-                                             timeout_ms=30_000.0, max_pending=max(1024, 2 * n)))
+            def factory(name: str = name, wiring: str = wiring) -> _Closing:
+                return _Closing(*make_client(rig, name, wiring, timeout_ms=30_000.0, max_pending=max(1024, 2 * n)))
 
             runs.append(burst(factory, n, step_s, requests=tagged, timeout_s=60.0))
-        out[name] = {"seconds": statistics.median(r.seconds for r in runs), "all_seconds": [r.seconds for r in runs],
-                     "steps": statistics.median(r.steps for r in runs), "hit_tokens": runs[0].hit_tokens}
+        out[label(name, wiring)] = {"seconds": statistics.median(r.seconds for r in runs),
+                                    "all_seconds": [r.seconds for r in runs],
+                                    "steps": statistics.median(r.steps for r in runs),
+                                    "hit_tokens": runs[0].hit_tokens}
     return out
 
 

@@ -4,12 +4,14 @@ Why: the scheduler calls the lookup path for every waiting request on every step
 costs is paid by every request in the batch. Sync: the whole blocking round trip. Async: the first
 call (submit) and the per-lookup total over the polls a scheduler makes once per model step until the
 answer is there (ours: with the ``end_step`` the scheduler adapter calls once per step, timed too).
-Our client runs with metrics and spans on (Prometheus sink + OTel tracer), the harder case; upstream's
-has neither.
+Our client runs wired as in production (:mod:`.wiring`: vLLM's stats collector inline, taken once per step,
+and spans sampled as the Helm chart samples them); upstream's has no telemetry. Ours with every span recorded,
+and ours with no telemetry, are rows of their own, each measured in a process of its own (:mod:`.solo`), so no
+other client's telemetry thread runs while they are timed.
 
 The floors (:mod:`.floors`) are measured in the same rotation: the round-trip floor beside the blocking
-calls, the touch floor beside the async ones. Every client and floor takes its turn on a small block
-of requests, in a rotating order, so drift on a shared machine hits all alike.
+calls, the touch and split floors beside the async ones. Every client and floor takes its turn on a small
+block of requests, in a rotating order, so drift on a shared machine hits all alike.
 """
 
 from __future__ import annotations
@@ -20,24 +22,27 @@ from typing import Any
 
 from mooncake_lookout.connector.bench.floors import FloorServer
 from mooncake_lookout.connector.bench.rig import ClientMaker, close_upstream_client, summary_us
+from mooncake_lookout.connector.bench.wiring import PRODUCTION, Wired, label, telemetry
 from mooncake_lookout.connector.rigs.workload import WorkloadRequest
-from mooncake_lookout.metrics.in_memory import observers_with_telemetry
 
 CLIENTS = ("upstream", "ours/upstream-wire", "ours/pipelined")
-NO_SPANS = "ours/pipelined, no spans"
 ROUND_TRIP_FLOOR = "round-trip floor"
 TOUCH_FLOOR = "touch floor"
+SPLIT_FLOOR = "split floor"
 
 
-def make_client(rig: ClientMaker, name: str, telemetry: bool = True, *, metrics: bool = True, spans: bool = True,
-                **config: Any) -> tuple[Any, Callable[[], None]]:
-    """One of :data:`CLIENTS` and the function that closes it (``metrics`` / ``spans``: which telemetry)."""
+def make_client(rig: ClientMaker, name: str, wiring: str = PRODUCTION, **config: Any) -> tuple[Any, Callable[[], None]]:
+    """One of :data:`CLIENTS` and the function that closes it; ours with the telemetry of ``wiring``
+    (:mod:`.wiring`), upstream's with none (it has none)."""
     if name == "upstream":
         client = rig.upstream_client()
         return client, lambda: close_upstream_client(client)
-    observers = observers_with_telemetry(metrics=metrics, spans=spans)[0] if telemetry else []
-    client = rig.our_client(name.split("/")[1].replace("-wire", ""), observers, **config)
-    return client, client.close
+    tele = telemetry(wiring)
+    ours = rig.our_client(name.split("/")[1].replace("-wire", ""), tele.observers, **config)
+    if not tele.observers:
+        return ours, ours.close
+    wired = Wired(ours, tele)
+    return wired, wired.close
 
 
 def _forget(client: Any, req_id: str) -> None:
@@ -100,44 +105,45 @@ def blocks(requests: Sequence[WorkloadRequest], size: int) -> list[Sequence[Work
 
 
 def run(rig: ClientMaker, requests: Sequence[WorkloadRequest], floor: FloorServer | None = None, *,
-        step_s: float = 0.001, block: int = 25, names: Sequence[str] = CLIENTS) -> dict[str, Any]:
-    """Scenario (a) for the clients ``names`` (and each floor, with ``floor``); microseconds, raw seconds
-    under ``raw``.
+        step_s: float = 0.001, block: int = 25, names: Sequence[str] = CLIENTS,
+        wiring: str = PRODUCTION) -> dict[str, Any]:
+    """Scenario (a) for the clients ``names`` (ours wired as ``wiring``; rows named by :func:`.wiring.label`),
+    and each floor with ``floor``; microseconds, raw seconds under ``raw``.
 
     The clients and floors take turns on blocks of ``block`` requests in a rotating order: all blocking
     calls first, then all asynchronous lookups.
     """
     out: dict[str, Any] = {"raw": {}}
-    clients = {name: make_client(rig, name, telemetry=True) for name in names}
-    if "ours/pipelined" in clients:  # a diagnosis, not a target: ours with metrics but no spans
-        clients[NO_SPANS] = make_client(rig, "ours/pipelined", spans=False)
+    clients = {label(name, wiring) if name != "upstream" else name: make_client(rig, name, wiring)
+               for name in names}
     frames = [rig.floor_frame(r) for r in requests] if floor is not None else []
     sync: dict[str, list[float]] = {name: [] for name in clients}
     first: dict[str, list[float]] = {name: [] for name in clients}
     total: dict[str, list[float]] = {name: [] for name in clients}
     polls: dict[str, list[int]] = {name: [] for name in clients}
-    floors: dict[str, list[float]] = {ROUND_TRIP_FLOOR: [], TOUCH_FLOOR: []}
+    floors: dict[str, list[float]] = {ROUND_TRIP_FLOOR: [], TOUCH_FLOOR: [], SPLIT_FLOOR: []}
     try:
         for name, (client, _) in clients.items():
             time_sync(client, requests[:20], f"warm-{name}")
         if floor is not None:
             floor.round_trips(frames[:20])
-        names = [*clients, *([ROUND_TRIP_FLOOR] if floor is not None else [])]
+        rotation = [*clients, *([ROUND_TRIP_FLOOR] if floor is not None else [])]
         for i, chunk in enumerate(blocks(requests, block)):
-            for k in range(len(names)):
-                name = names[(i + k) % len(names)]
+            for k in range(len(rotation)):
+                name = rotation[(i + k) % len(rotation)]
                 if name == ROUND_TRIP_FLOOR:
                     assert floor is not None
                     floors[name] += floor.round_trips(frames[i * block:i * block + len(chunk)])
                 else:
                     sync[name] += time_sync(clients[name][0], chunk, f"sync{i}")
-        names = [*clients, *([TOUCH_FLOOR] if floor is not None else [])]
+        rotation = [*clients, *([TOUCH_FLOOR, SPLIT_FLOOR] if floor is not None else [])]
         for i, chunk in enumerate(blocks(requests, block)):
-            for k in range(len(names)):
-                name = names[(i + k) % len(names)]
-                if name == TOUCH_FLOOR:
+            for k in range(len(rotation)):
+                name = rotation[(i + k) % len(rotation)]
+                if name in (TOUCH_FLOOR, SPLIT_FLOOR):
                     assert floor is not None
-                    floors[name] += floor.touches(frames[i * block:i * block + len(chunk)], step_s)
+                    measure = floor.touches if name == TOUCH_FLOOR else floor.splits
+                    floors[name] += measure(frames[i * block:i * block + len(chunk)], step_s)
                 else:
                     f, t, p = time_async(clients[name][0], chunk, f"async{i}", step_s)
                     first[name] += f
@@ -153,11 +159,11 @@ def run(rig: ClientMaker, requests: Sequence[WorkloadRequest], floor: FloorServe
         out["raw"][name] = {"sync": sync[name], "async_first": first[name]}
     if floor is not None:
         out["floors"] = {"round_trip_us": summary_us(floors[ROUND_TRIP_FLOOR]),
-                         "touch_us": summary_us(floors[TOUCH_FLOOR])}
+                         "touch_us": summary_us(floors[TOUCH_FLOOR]), "split_us": summary_us(floors[SPLIT_FLOOR])}
         out["raw"][ROUND_TRIP_FLOOR] = {"sync": floors[ROUND_TRIP_FLOOR]}
         out["raw"][TOUCH_FLOOR] = {"async_first": floors[TOUCH_FLOOR]}
     return out
 
 
-__all__ = ["CLIENTS", "NO_SPANS", "ROUND_TRIP_FLOOR", "TOUCH_FLOOR", "blocks", "make_client", "run", "time_async",
+__all__ = ["CLIENTS", "ROUND_TRIP_FLOOR", "SPLIT_FLOOR", "TOUCH_FLOOR", "blocks", "make_client", "run", "time_async",
            "time_sync"]

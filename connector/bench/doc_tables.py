@@ -103,12 +103,19 @@ def render_targets_per_run(runs: Sequence[Run]) -> str:
 
 
 def render_demo(text: str) -> str:
-    """The closing table of a committed ``demo`` output (from its ``mode`` header line to the end), fenced."""
+    """A committed ``demo`` output: the line that says where it ran, then its closing table (from its ``mode`` header
+    line to the end), fenced. The first line of the file is that line (``# COMMAND: DATE, commit ...``)."""
     lines = text.splitlines()
+    if not lines or not lines[0].startswith("# "):
+        raise ValueError("the demo output's first line must say where it ran (# COMMAND: DATE, commit ...): "
+                         "record it with python -m mooncake_lookout.connector.cli.record demo")
+    command, _, where = lines[0][2:].partition(": ")
     start = next((i for i, line in enumerate(lines) if line.startswith("mode ")), None)
     if start is None:
         raise ValueError("the demo output holds no closing table (no line starting with 'mode ')")
-    return "```\n" + "\n".join(lines[start:]).rstrip() + "\n```\n"
+    where = where.split("; its whole output")[0]
+    return (f"The end of what `{command}` printed ({where}; its whole output: `docs/bench/demo.txt`):\n\n"
+            "```\n" + "\n".join(lines[start:]).rstrip() + "\n```\n")
 
 
 def render_reports(runs: Sequence[Run]) -> str:
@@ -223,7 +230,7 @@ def render_modes(runs: Sequence[Run]) -> str:
              across(runs, lambda r, x=label: 100 * get(mode(r, x), "requests_deferred")
                     if mode(r, x) else None, 0),
              across(runs, _delay_ms(label), 1)] for label in labels]
-    head = ["mode", "blocked per step, mean (us)", "one call, p99 (us)", "deferred steps / request",
+    head = ["mode", "blocked per step, mean (us)", "one call, p99 (us)", "deferred steps per request",
             "% requests deferred", "arrival to answer, p50 (ms)"]
     steps = {(get(r.results, "c", "steps"), get(r.results, "c", "arrivals_per_step"),
               get(r.results, "c", "model_step_ms")) for r in runs}
@@ -245,44 +252,49 @@ def _pct(key: str) -> Figure:
 
 
 def render_tuning_figures(runs: Sequence[Run]) -> str:
-    """The figures behind each setting of the tuning guide, by name, from the committed runs."""
+    """The figures behind each setting of the tuning guide, by name, from the committed runs: one statistic per row,
+    so that a cell holds one figure per run and nothing else."""
     rows: list[list[str]] = [
-        ["round trip: blocking lookup on our client (pipelined, metrics+spans), p50 / p99", "a",
-         f"{across(runs, _a('ours/pipelined', 'sync_call_us'))} / "
-         f"{across(runs, _a('ours/pipelined', 'sync_call_us', 'p99'))} us"],
-        ["the same without spans, p50", "a", across(runs, _a("ours/pipelined, no spans", "sync_call_us"), unit="us")],
-        ["round-trip floor (bare socket + one store call), p50 / p99", "floors",
-         f"{across(runs, lambda r: get(r, 'floors', 'round_trip_us', 'p50'))} / "
-         f"{across(runs, lambda r: get(r, 'floors', 'round_trip_us', 'p99'))} us"],
-        ["sent -> answer collected, `auto` mode, p50 / p90", "c",
-         f"{across(runs, lambda r: get(mode(r, AUTO), 'sent_to_collected_us', 'p50'))} / "
-         f"{across(runs, lambda r: get(mode(r, AUTO), 'sent_to_collected_us', 'p90'))} us"],
+        ["round trip: blocking lookup on our client (pipelined, metrics+spans), p50", "a",
+         across(runs, _a("ours/pipelined", "sync_call_us"), unit="us")],
+        ["round trip: blocking lookup on our client (pipelined, metrics+spans), p99", "a",
+         across(runs, _a("ours/pipelined", "sync_call_us", "p99"), unit="us")],
+        ["the same with no telemetry (a process of its own), p50", "a",
+         across(runs, _a("ours/pipelined, no telemetry", "sync_call_us"), unit="us")],
+        ["round-trip floor (bare socket + one store call), p50", "floors",
+         across(runs, lambda r: get(r, "floors", "round_trip_us", "p50"), unit="us")],
+        ["round-trip floor (bare socket + one store call), p99", "floors",
+         across(runs, lambda r: get(r, "floors", "round_trip_us", "p99"), unit="us")],
+        ["sent -> answer collected, `auto` mode, p50", "c",
+         across(runs, lambda r: get(mode(r, AUTO), "sent_to_collected_us", "p50"), unit="us")],
+        ["sent -> answer collected, `auto` mode, p90", "c",
+         across(runs, lambda r: get(mode(r, AUTO), "sent_to_collected_us", "p90"), unit="us")],
     ]
     for label in ("ours async", AUTO, *_budget_labels(runs)):
-        rows.append([f"`{label}`: deferred steps per request; one call p99", "c",
-                     f"{across(runs, lambda r, x=label: get(mode(r, x), 'mean_deferred_steps'), 2)}; "
-                     f"{across(runs, _call(label, 'p99'), unit='us')}"])
+        rows.append([f"`{label}`: deferred steps per request", "c",
+                     across(runs, lambda r, x=label: get(mode(r, x), "mean_deferred_steps"), 2)])
+        rows.append([f"`{label}`: one call, p99", "c", across(runs, _call(label, "p99"), unit="us")])
     rows += [
-        ["async cost per lookup on the scheduler's thread, p50: ours with spans / without spans / upstream", "a",
-         f"{across(runs, _a('ours/pipelined', 'async_per_lookup_us'))} / "
-         f"{across(runs, _a('ours/pipelined, no spans', 'async_per_lookup_us'))} / "
-         f"{across(runs, _a('upstream', 'async_per_lookup_us'))} us"],
-        ["store stopped: longest blocking call, ours (deadline "
-         f"{_deadline_ms(runs)} ms); vLLM's client", "e",
-         f"{across(runs, _stopped_ours_ms, 1, 'ms')}; {_upstream_stopped(runs)}"],
-        ["store slowed (frozen 20 ms of every 40 ms): blocking call p99, ours pipelined / upstream", "e",
-         f"{across(runs, lambda r: get(r, 'e', 'slowed', 'ours/pipelined', 'sync_call_us', 'p99'))} / "
-         f"{across(runs, lambda r: get(r, 'e', 'slowed', 'upstream', 'sync_call_us', 'p99'))} us"],
+        *[[f"async cost per lookup on the scheduler's thread, p50: {name}", "a",
+           across(runs, _a(client, "async_per_lookup_us"), unit="us")]
+          for name, client in (("ours with production telemetry", "ours/pipelined"),
+                               ("ours with every span", "ours/pipelined, always-on spans"),
+                               ("ours with no telemetry", "ours/pipelined, no telemetry"), ("upstream", "upstream"))],
+        [f"store stopped: longest blocking call, ours (deadline {_deadline_ms(runs)} ms)", "e",
+         across(runs, _stopped_ours_ms, 1, "ms")],
+        ["store stopped: longest blocking call, vLLM's client", "e", _upstream_stopped(runs)],
     ]
+    for name, client in (("ours pipelined", "ours/pipelined"), ("upstream", "upstream")):
+        rows.append([f"store slowed (frozen 20 ms of every 40 ms): blocking call p99, {name}", "e",
+                     across(runs, lambda r, c=client: get(r, "e", "slowed", c, "sync_call_us", "p99"), unit="us")])
     burst_n = across(runs, lambda r: get(r, "b", "n"), 0)
-    rows.append([f"burst of {burst_n} new requests, time to all answers: ours on the upstream wire / upstream / "
-                 "ours pipelined / ours pipelined without spans", "b",
-                 " / ".join(across(runs, _burst_ms(c), 1) for c in ("ours/upstream-wire", "upstream",
-                                                                      "ours/pipelined", "ours/pipelined, no spans"))
-                 + " ms"])
-    rows.append(["telemetry, added to a blocking lookup (median): metrics+spans / metrics only / spans only", "d",
-                 " / ".join(across(runs, _pct(k), 1) for k in ("median_overhead", "metrics_median_overhead",
-                                                                 "spans_median_overhead")) + " %"])
+    for name, client in (("ours on the upstream wire", "ours/upstream-wire"), ("upstream", "upstream"),
+                         ("ours pipelined", "ours/pipelined"), ("ours pipelined with every span",
+                                                                "ours/pipelined, always-on spans")):
+        rows.append([f"burst of {burst_n} new requests, time to all answers: {name}", "b",
+                     across(runs, _burst_ms(client), 1, "ms")])
+    rows.append(["telemetry as deployed, added to the mean schedule() time per step of (f) at 64 blocks", "d",
+                 across(runs, _pct("added"), 1, "%")])
     return "\n".join(_table(["figure", "scenario", "measured"], rows) + ["", runs_note(runs)]) + "\n"
 
 
@@ -295,8 +307,9 @@ def _scenario_a(runs: Sequence[Run]) -> list[str]:
             for c in clients]
     rows += [[f"{name} floor", across(runs, lambda r, k=key: get(r, "floors", k, "p50")),
               across(runs, lambda r, k=key: get(r, "floors", k, "p99")), "", ""]
-             for name, key in (("round-trip", "round_trip_us"), ("touch", "touch_us"))]
-    return ["**(a) one lookup call on the scheduler's thread, us** (ours with metrics+spans unless named)", "",
+             for name, key in (("round-trip", "round_trip_us"), ("touch", "touch_us"), ("split", "split_us"))]
+    return ["**(a) one lookup call on the scheduler's thread, us** (ours with production telemetry unless named; the "
+            "named rows each in a process of its own; the floors are reported, not targeted)", "",
             *_table(["client", "sync p50", "sync p99", "async first call p50", "async per lookup p50"], rows)]
 
 
@@ -333,11 +346,11 @@ def _scenario_c(runs: Sequence[Run]) -> list[str]:
 
 
 def _scenario_d(runs: Sequence[Run]) -> list[str]:
-    rows = [[v, across(runs, lambda r, v=v: get(r, "d", f"{v}_us", "p50")),
-             across(runs, _pct(f"{v}_median_overhead"), 1) if v != "off" else ""]
-            for v in ("off", "metrics", "spans", "on")]
-    return ["**(d) telemetry: blocking lookup end to end**", "",
-            *_table(["telemetry", "p50 (us)", "added median (%)"], rows)]
+    rows = [[v, across(runs, lambda r, v=v: get(r, "d", f"{v}_schedule_us", "mean")),
+             across(runs, lambda r, v=v: get(r, "d", f"{v}_schedule_us", "p50")),
+             across(runs, _pct("added"), 1) if v == "deployed" else ""] for v in ("off", "deployed")]
+    return ["**(d) telemetry as deployed vs none: (f) at 64 blocks, ours async, each variant in processes of its "
+            "own**", "", *_table(["telemetry", "schedule() mean (us)", "schedule() p50 (us)", "added (%)"], rows)]
 
 
 def _scenario_e(runs: Sequence[Run]) -> list[str]:
@@ -418,25 +431,23 @@ def _scenario_g(runs: Sequence[Run]) -> list[str]:
 
 def render_multi_turn(runs: Sequence[Run]) -> str:
     """Scenario g in the tuning guide: what the prefix cache spares a long prompt re-sent turn by turn (only the
-    runs that measured it)."""
+    runs that measured it); ours and upstream's in columns of their own."""
     runs = [r for r in runs if "g" in r.results]
     rows = []
     for backend, context in _g_shapes(runs):
-        def pair(label: str, *path: str, digits: int | None = None, unit: str = "",
-                 b: str = backend, c: str = context) -> str:
-            return (f"{across(runs, _g(b, c, f'ours {label}', *path), digits)} vs "
-                    f"{across(runs, _g(b, c, f'upstream {label}', *path), digits)}{unit}")
+        def both(label: str, *path: str, digits: int | None = None, unit: str = "", b: str = backend,
+                 c: str = context) -> list[str]:
+            return [across(runs, _g(b, c, f"{client} {label}", *path), digits, unit) for client in ("ours", "upstream")]
         where = f"{context}-block context, {backend}"
-        rows += [[f"store keys per lookup, ours vs upstream ({where})", pair("sync", "keys_per_lookup", digits=1)],
-                 [f"time to answer, blocking lookup p50, ours vs upstream ({where})",
-                  pair("sync", "path_us", "p50", unit=" us")],
-                 [f"scheduler-path cost of an async lookup p50, ours vs upstream ({where})",
-                  pair("async", "path_us", "p50", unit=" us")],
+        rows += [[f"store keys per lookup ({where})", *both("sync", "keys_per_lookup", digits=1)],
+                 [f"time to answer, blocking lookup p50 ({where})", *both("sync", "path_us", "p50", unit="us")],
+                 [f"scheduler-path cost of an async lookup p50 ({where})",
+                  *both("async", "path_us", "p50", unit="us")],
                  [f"blocks ours knew present, share ({where})",
-                  across(runs, _g(backend, context, "ours sync", "known_share"), 3)]]
+                  across(runs, _g(backend, context, "ours sync", "known_share"), 3), ""]]
     if not rows:
         return "No committed run measured scenario g (`bench` before it existed).\n"
-    return "\n".join(_table(["from the second turn on", "measured"], rows) + ["", runs_note(runs)]) + "\n"
+    return "\n".join(_table(["from the second turn on", "ours", "upstream"], rows) + ["", runs_note(runs)]) + "\n"
 
 
 SCENARIOS: tuple[tuple[str, Callable[[Sequence[Run]], list[str]]], ...] = (

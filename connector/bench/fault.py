@@ -55,7 +55,7 @@ def slowed(rig: Rig, requests: Sequence[WorkloadRequest]) -> dict[str, Any]:
     """Blocking calls and async polls while the store flickers; ours with a 100 ms deadline."""
     out: dict[str, Any] = {}
     for name in CLIENTS:
-        client, close = make_client(rig, name, telemetry=True, timeout_ms=TIMEOUT_MS)
+        client, close = make_client(rig, name, timeout_ms=TIMEOUT_MS)
         try:
             time_sync(client, requests[:5], "warm-slow")
             hits: list[int] = []
@@ -73,7 +73,7 @@ def slowed(rig: Rig, requests: Sequence[WorkloadRequest]) -> dict[str, Any]:
 def stopped(rig: Rig, request: WorkloadRequest, *, wait_s: float = 3.0) -> dict[str, Any]:
     """One blocking lookup per client with the master frozen: how long the scheduler's call blocks."""
     out: dict[str, Any] = {"wait_s": wait_s}
-    clients = {name: make_client(rig, name, telemetry=True, timeout_ms=TIMEOUT_MS) for name in CLIENTS}
+    clients = {name: make_client(rig, name, timeout_ms=TIMEOUT_MS) for name in CLIENTS}
     try:
         for name, (client, _) in clients.items():  # warm: sockets connected, threads up
             time_sync(client, [request], f"warm-{name}")

@@ -9,6 +9,9 @@ measured in the same run as the clients they judge:
 * **touch floor**: one send plus one drain of a reply that has already arrived, on the caller's thread:
   the caller's CPU cost only (the round trip happened while it slept, as during a model step). A client
   that sends and drains once per step cannot cost the scheduler's thread less per step.
+* **split floor**: a send in one step and one ``recv`` of the reply in the next, timed and added up: the
+  least an async lookup costs a caller whose answer comes a step after its send (two wake-ups of the
+  socket, where the touch floor has one).
 
 The keys travel ready-made (newline-joined) so the handler does nothing but the store call: the floor
 holds no key layout of its own, and serves the bench's index and a vLLM deployment's keys alike.
@@ -133,6 +136,34 @@ class FloorServer:
                     sock.send(frame, flags=zmq.NOBLOCK, copy=False)
                 continue
             out.append(time.perf_counter() - t0)
+        return out
+
+    def splits(self, frames: Sequence[bytes], step_s: float = 0.001, timeout_s: float = 10.0) -> list[float]:
+        """Seconds the caller's thread pays for an async lookup split over two wake-ups, per frame: a send in
+        one step, then, after a ``step_s`` pause, one ``recv(NOBLOCK)`` of the arrived reply; the two timed
+        and added up.
+
+        The least an async lookup costs a caller that sends in one step and reads the answer in the next (the
+        touch floor lets one wake-up do both). A reply not there after the pause gives no sample (it is
+        waited for untimed).
+        """
+        sock = self._socket()
+        timeout_ms = int(timeout_s * 1000)
+        out = []
+        for frame in frames:
+            t0 = time.perf_counter()
+            sock.send(frame, flags=zmq.NOBLOCK, copy=False)
+            sent = time.perf_counter() - t0
+            time.sleep(step_s)
+            t1 = time.perf_counter()
+            try:
+                sock.recv(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                if not sock.poll(timeout_ms, zmq.POLLIN):
+                    raise TimeoutError(f"the floor's server did not answer in {timeout_s} s") from None
+                sock.recv()
+                continue
+            out.append(sent + time.perf_counter() - t1)
         return out
 
     def close(self) -> None:

@@ -1,48 +1,140 @@
-"""Bench scenario (d): what metrics and spans add to one lookup, end to end.
+"""Bench scenario (d): what telemetry, as deployed, adds to vLLM's ``schedule()`` time per step.
 
-Why: telemetry that slows the path it watches gets turned off. Four of our clients (pipelined) run
-side by side against the same server: bare, metrics only (Prometheus sink), spans only (OTel tracer),
-both. They take turns in small blocks, in a rotating order, so drift on a shared 2-core machine hits
-all alike. The figure is submit-to-answer time of a blocking lookup, median and mean.
+Why: telemetry that slows the path it watches gets turned off, and what it costs is paid in the scheduler's
+step, not in one lookup. This runs scenario (f)'s 64-block run (:mod:`.long_prompts`: vLLM's real scheduler,
+our connector async) twice over, each variant in a process of its own, so neither's threads run while the
+other is timed:
+
+* **deployed**: our connector as vLLM builds it, with the ``OTEL_*`` variables the Helm chart sets when tracing
+  is on (its sampler, :data:`.wiring.CHART_SAMPLER`), spans exported over OTLP/HTTP to a local endpoint
+  (:mod:`.otlp_sink`), vLLM's stats collector inline (vLLM takes its record every step);
+* **off**: the same connector with no observer at all (its observers emptied before the first request; checked:
+  vLLM got no stats record from it).
+
+Processes run in ABBA order (off, deployed, deployed, off, ...) and each variant's steps are pooled; the
+figure is the mean ``schedule()`` time per step, deployed over off. The parent fills the store for the run's
+prompts before the first child starts (with vLLM's own block hashes).
 """
 
 from __future__ import annotations
 
-import statistics
+import argparse
+import sys
 from collections.abc import Sequence
 from typing import Any
 
-from mooncake_lookout.connector.bench.call import make_client, time_sync
-from mooncake_lookout.connector.bench.rig import Rig, summary_us
-from mooncake_lookout.connector.rigs.workload import WorkloadRequest
+from mooncake_lookout.connector.bench.long_prompts import Length, abba
+from mooncake_lookout.connector.bench.rig import summary_us
 
-VARIANTS = {"off": dict(telemetry=False), "metrics": dict(spans=False), "spans": dict(metrics=False),
-            "on": dict()}
-
-
-def run(rig: Rig, requests: Sequence[WorkloadRequest], *, rounds: int = 12, block: int = 25) -> dict[str, Any]:
-    """Scenario (d): ``rounds`` rotations of ``block`` lookups per variant of :data:`VARIANTS`."""
-    clients = {name: make_client(rig, "ours/pipelined", **kw) for name, kw in VARIANTS.items()}
-    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    names = list(VARIANTS)
-    try:
-        for name, (client, _) in clients.items():
-            time_sync(client, requests[:20], f"warm-{name}")
-        for i in range(rounds):
-            chunk = [requests[(i * block + j) % len(requests)] for j in range(block)]
-            for k in range(len(names)):
-                name = names[(i + k) % len(names)]
-                times[name] += time_sync(clients[name][0], chunk, f"{name}{i}")
-    finally:
-        for _, close in clients.values():
-            close()
-    off_med, off_mean = statistics.median(times["off"]), statistics.fmean(times["off"])
-    out: dict[str, Any] = {f"{name}_us": summary_us(t) for name, t in times.items()}
-    for name in ("metrics", "spans", "on"):
-        out[f"{name}_median_overhead"] = statistics.median(times[name]) / off_med - 1.0
-        out[f"{name}_mean_overhead"] = statistics.fmean(times[name]) / off_mean - 1.0
-    out["median_overhead"], out["mean_overhead"] = out["on_median_overhead"], out["on_mean_overhead"]
-    return out
+MODULE = "mooncake_lookout.connector.bench.overhead"
+VARIANTS = ("off", "deployed")
+LENGTH = Length(64, 200, 2)  # scenario (f)'s 64-block run
 
 
-__all__ = ["VARIANTS", "run"]
+def run(rig: Any, *, length: Length = LENGTH, rounds: int = 2, model_step_s: float = 0.0015,
+        timeout_s: float = 600.0) -> dict[str, Any]:
+    """Scenario (d): ``rounds`` processes of each variant in ABBA order, against ``rig``'s pipelined server."""
+    from mooncake_lookout.connector.bench.child import JsonChild
+    from mooncake_lookout.connector.bench.otlp_sink import shared
+    from mooncake_lookout.connector.bench.wiring import PRODUCTION, tracing_env
+    from mooncake_lookout.connector.rigs.scheduler_driver import prompt_block_hashes
+    from mooncake_lookout.connector.transport.names import PIPELINED
+
+    length.workload().fill_store(rig, prompt_block_hashes)
+    args = ["--server", rig.addresses[PIPELINED], "--rpc-port", str(rig.lookup_rpc_port)]
+    command = {"blocks": length.blocks, "steps": length.steps, "arrivals_per_step": length.arrivals_per_step,
+               "model_step_s": model_step_s}
+    sink = shared()
+    per_process: list[dict[str, Any]] = []
+    pooled: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for who in abba(rounds):
+        variant = VARIANTS[who]
+        env = tracing_env(PRODUCTION, sink.endpoint) if variant == "deployed" else {}
+        with JsonChild(MODULE, [*args, "--variant", variant], name=f"telemetry {variant}", env=env) as child:
+            result = child.ask(command, timeout_s)
+        pooled[variant] += result.pop("schedule_s")
+        per_process.append(result)
+    mean = {v: sum(pooled[v]) / len(pooled[v]) for v in VARIANTS}
+    return {"blocks": length.blocks, "steps": length.steps, "arrivals_per_step": length.arrivals_per_step,
+            "rounds": rounds, "model_step_ms": model_step_s * 1e3, "processes": per_process,
+            "deployed_schedule_us": summary_us(pooled["deployed"]), "off_schedule_us": summary_us(pooled["off"]),
+            "added": mean["deployed"] / mean["off"] - 1.0, "span_posts": sink.posts}
+
+
+class _Servers:
+    """What :func:`~.sched.run_mode` needs of a rig, in a child: the scheduler's settings for our server."""
+
+    def __init__(self, address: str, rpc_port: int) -> None:
+        self.address = address
+        self.rpc_port = rpc_port
+
+    def scheduler_extra(self, ours: bool, transport: str, **config: Any) -> dict[str, Any]:
+        return {"lookup_rpc_port": self.rpc_port, "load_async": False, "lookup_transport": transport,
+                "lookup_server_address": self.address, **config}
+
+
+class _Filled:
+    """A length's prompts, the store already filled by the parent."""
+
+    def __init__(self, length: Length) -> None:
+        self.workload = length.workload()
+
+    def fill_store(self, rig: Any, hash_of: Any) -> int:
+        return 0
+
+    def request(self, k: int) -> tuple[str, list[int]]:
+        return self.workload.request(k)
+
+
+def _switch_off(driver: Any) -> None:
+    """No observer on our connector's client (checked after the run: vLLM got no stats record)."""
+    from mooncake_lookout.connector.events import ObserverSet
+
+    adapter = driver.connector.connector_scheduler
+    adapter.client.observers = adapter.observers = ObserverSet()
+
+
+def _handle(servers: _Servers, variant: str, command: dict[str, Any]) -> dict[str, Any]:
+    from mooncake_lookout.connector.bench import sched
+
+    length = Length(command["blocks"], command["steps"], command["arrivals_per_step"])
+    drivers: list[Any] = []
+
+    def prepare(driver: Any) -> None:
+        if variant == "off":
+            _switch_off(driver)
+        drivers.append(driver)
+
+    run = sched.run_mode(servers, _Filled(length), sched.mode("ours async", True, lookup_async=True),  # type: ignore[arg-type]
+                         arrivals_per_step=length.arrivals_per_step, steps=length.steps,
+                         model_step_s=command["model_step_s"], num_blocks=length.num_blocks(),
+                         max_model_len=length.max_model_len, drain_s=10.0, tally=False, prepare=prepare)
+    driver = drivers[0]
+    adapter = driver.connector.connector_scheduler
+    stats_records = len(driver.kv_connector_stats)
+    if variant == "off" and stats_records:
+        raise RuntimeError(f"telemetry off: vLLM still got {stats_records} stats records from our connector")
+    if variant == "deployed" and (not stats_records or adapter.tracer is None):
+        raise RuntimeError("telemetry as deployed: no stats record reached vLLM, or tracing did not start")
+    return {"variant": variant, "schedule_s": run.schedule_seconds, "schedule_us": summary_us(run.schedule_seconds),
+            "requests": run.requests, "finished": run.finished, "stats_records": stats_records,
+            "tracing": adapter.tracer is not None}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The child: run (f)'s 64-block run with our connector, telemetry as ``--variant`` says."""
+    p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
+    p.add_argument("--server", required=True, help="our lookup server's address")
+    p.add_argument("--rpc-port", type=int, required=True, help="vLLM's lookup_rpc_port of the rig")
+    p.add_argument("--variant", choices=VARIANTS, required=True)
+    args = p.parse_args(argv)
+    from mooncake_lookout.connector.bench.child import serve
+
+    servers = _Servers(args.server, args.rpc_port)
+    return serve(lambda command: _handle(servers, args.variant, command))
+
+
+__all__ = ["LENGTH", "MODULE", "VARIANTS", "main", "run"]
+
+if __name__ == "__main__":
+    sys.exit(main())

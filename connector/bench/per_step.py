@@ -15,8 +15,9 @@ One round, as vLLM drives each client:
   pending ones are polled once per step.
 
 Every call is timed; a lookup's cost is the round's total over k. Steps are ``step_s`` apart (the
-model's step). The clients take turns round by round (order rotating); ours runs with metrics and
-spans on, like scenario (a), and once more without telemetry (a diagnosis row, not a target).
+model's step). The clients take turns round by round (order rotating); ours is wired as in production, like
+scenario (a) (:mod:`.wiring`); its rows with every span and with no telemetry are measured in processes of
+their own (:mod:`.solo`).
 """
 
 from __future__ import annotations
@@ -27,11 +28,28 @@ from typing import Any
 
 from mooncake_lookout.connector.bench.call import make_client
 from mooncake_lookout.connector.bench.rig import ClientMaker, summary_us
+from mooncake_lookout.connector.bench.wiring import PRODUCTION, label
 from mooncake_lookout.connector.rigs.workload import WorkloadRequest
 
 KS = (1, 4, 16, 64)
 CLIENTS = ("upstream", "ours/pipelined")
-NO_TELEMETRY = "ours/pipelined, no telemetry"  # a diagnosis, not a target
+
+
+def ask_once(client: Any, ours: bool, pending: dict[str, tuple[int, list[bytes]]]) -> dict[str, Any]:
+    """One step's asks, as vLLM's scheduler makes them: each pending lookup asked once (``non_block``), the answered
+    ones taken out of ``pending`` (ours: discarded, as an allocated request is), then ours' ``end_step``; returns
+    the answers by request id."""
+    answered = {}
+    for req_id, (n, hashes) in list(pending.items()):
+        result = client.lookup(req_id, n, hashes, non_block=True)
+        if result is not None:
+            answered[req_id] = result
+            del pending[req_id]
+            if ours:
+                client.discard(req_id)
+    if ours:
+        client.end_step()
+    return answered
 
 
 def one_round(client: Any, batch: Sequence[WorkloadRequest], tag: str, step_s: float, *,
@@ -49,15 +67,7 @@ def one_round(client: Any, batch: Sequence[WorkloadRequest], tag: str, step_s: f
         for req_id, n, hashes in asks:
             client.start(req_id, n, hashes, admission=True)
     while True:
-        for req_id, (n, hashes) in list(pending.items()):
-            result = client.lookup(req_id, n, hashes, non_block=True)
-            if result is not None:
-                hit_tokens += result.hit_length
-                del pending[req_id]
-                if ours:
-                    client.discard(req_id)
-        if ours:
-            client.end_step()
+        hit_tokens += sum(result.hit_length for result in ask_once(client, ours, pending).values())
         spent += time.perf_counter() - t0
         steps += 1
         if not pending:
@@ -69,13 +79,12 @@ def one_round(client: Any, batch: Sequence[WorkloadRequest], tag: str, step_s: f
 
 
 def run(rig: ClientMaker, requests: Sequence[WorkloadRequest], *, ks: Sequence[int] = KS, rounds: int = 20,
-        step_s: float = 0.001, names: Sequence[str] = CLIENTS) -> dict[str, Any]:
-    """Scenario (a4): ``rounds`` rounds per k and client of ``names``; per-lookup cost in microseconds."""
+        step_s: float = 0.001, names: Sequence[str] = CLIENTS, wiring: str = PRODUCTION) -> dict[str, Any]:
+    """Scenario (a4): ``rounds`` rounds per k and client of ``names`` (ours wired as ``wiring``, its rows named by
+    :func:`.wiring.label`); per-lookup cost in microseconds."""
     pending = max(1024, 2 * max(ks))
-    clients = {name: make_client(rig, name, telemetry=True, max_pending=pending)
+    clients = {label(name, wiring): make_client(rig, name, wiring, max_pending=pending)
                if name != "upstream" else make_client(rig, name) for name in names}
-    if "ours/pipelined" in clients:
-        clients[NO_TELEMETRY] = make_client(rig, "ours/pipelined", telemetry=False, max_pending=pending)
     per_lookup: dict[str, dict[int, list[float]]] = {name: {k: [] for k in ks} for name in clients}
     steps: dict[str, dict[int, list[int]]] = {name: {k: [] for k in ks} for name in clients}
     hits: dict[str, dict[int, int]] = {name: {k: 0 for k in ks} for name in clients}
@@ -106,4 +115,4 @@ def run(rig: ClientMaker, requests: Sequence[WorkloadRequest], *, ks: Sequence[i
     return out
 
 
-__all__ = ["CLIENTS", "KS", "NO_TELEMETRY", "one_round", "run"]
+__all__ = ["CLIENTS", "KS", "ask_once", "one_round", "run"]

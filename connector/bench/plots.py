@@ -153,10 +153,35 @@ def multi_turn_plot(g: dict[str, Any], path: str) -> str:
     return path
 
 
+def fleet_plot(h: dict[str, Any], path: str) -> str:
+    """Scenario (h): the master's CPU per 1,000 lookups and the lookup p99 against N, per workload and client."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for kind in h["summary"]:
+        for client in ("upstream", "ours"):
+            mine = [p for p in h["phases"] if p["workload"] == kind and p["client"] == client]
+            ns = [p["n"] for p in mine]
+            label = f"{kind}, {client}"
+            axes[0].plot(ns, [p["master"]["per_1000_ms"] or float("nan") for p in mine], marker="o", label=label)
+            axes[1].plot(ns, [p["delay_ms"]["p99"] for p in mine], marker="o", label=label)
+    axes[0].set_ylabel("master CPU ms per 1,000 lookups")
+    axes[0].set_yscale("log")
+    axes[1].set_ylabel("arrival to answer, p99 (ms)")
+    for ax in axes:
+        ax.set_xlabel("engines on the master (N)")
+        ax.set_xscale("log", base=2)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.suptitle("a fleet on one Mooncake master")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def write_all(results: dict[str, Any], raw_latency: dict[str, Any], out_dir: str) -> list[str]:
     """Every figure of a bench run into ``out_dir``; returns the paths written."""
     os.makedirs(out_dir, exist_ok=True)
-    paths = [latency_plot(raw_latency, os.path.join(out_dir, "latency.png"))]
+    paths = [latency_plot(raw_latency, os.path.join(out_dir, "latency.png"))] if raw_latency else []
     if "c" in results:
         paths.append(modes_plot(results["c"]["modes"], os.path.join(out_dir, "modes.png")))
     if "b" in results:
@@ -167,8 +192,11 @@ def write_all(results: dict[str, Any], raw_latency: dict[str, Any], out_dir: str
         paths.append(long_prompts_plot(results["f"], os.path.join(out_dir, "long_prompts.png")))
     if "g" in results:
         paths.append(multi_turn_plot(results["g"], os.path.join(out_dir, "multi_turn.png")))
+    if "h" in results:
+        paths.append(fleet_plot(results["h"], os.path.join(out_dir, "fleet.png")))
     return paths
 
 
-__all__ = ["burst_plot", "latency_plot", "long_prompts_plot", "modes_plot", "multi_turn_plot", "per_step_plot",
+__all__ = ["burst_plot", "fleet_plot", "latency_plot", "long_prompts_plot", "modes_plot", "multi_turn_plot",
+           "per_step_plot",
            "write_all"]

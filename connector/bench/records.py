@@ -19,7 +19,7 @@ from typing import Any
 
 RUNS_DIR = Path("docs/bench")  # relative to the repository's root
 RUN_FILE = re.compile(r"^run-(\d+)\.json$")
-DEMO_FILE = RUNS_DIR / "demo.txt"  # what `mooncake-lookout demo --duration small` printed (its stdout)
+DEMO_FILE = RUNS_DIR / "demo.txt"  # the whole output of `bash scripts/demo.sh --duration small` (cli.record)
 SOAK_FILE = re.compile(r"^soak-([\w-]+)\.json$")  # `python -m ...rigs.soak --transport T --json` printed
 MISSING = "-"
 
@@ -101,8 +101,8 @@ def load_demo(root: Path) -> str:
     """The committed output of one ``demo`` run (README shows its closing table)."""
     path = root / DEMO_FILE
     if not path.exists():
-        raise ValueError(f"no committed demo output: expected {DEMO_FILE} (the stdout of "
-                         "`mooncake-lookout demo --duration small`)")
+        raise ValueError(f"no committed demo output: expected {DEMO_FILE} (python -m "
+                         "mooncake_lookout.connector.cli.record demo)")
     return path.read_text()
 
 

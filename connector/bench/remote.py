@@ -220,10 +220,11 @@ def found(rig: RemoteRig, prompts: Sequence[WorkloadRequest], expected: Sequence
     """Every client's blocking lookup of ``prompts``: hits found, and how many match ``expected`` (hit tokens
     known in advance, or None)."""
     from mooncake_lookout.connector.bench.call import make_client
+    from mooncake_lookout.connector.bench.wiring import NONE
 
     out: dict[str, Any] = {"prompts": len(prompts), "clients": {}}
     for name in rig.names:
-        client, close = make_client(rig, name, telemetry=False, timeout_ms=5000.0)
+        client, close = make_client(rig, name, NONE, timeout_ms=5000.0)
         try:
             hits: list[int] = []
             call.time_sync(client, prompts, "found", hits)

@@ -27,23 +27,30 @@ def fmt(v: Any, digits: int = 1) -> str:
 def floors_block(r: dict[str, Any]) -> list[str]:
     """The two floors, p50 and p99."""
     fl = r["floors"]
-    return ["floors (no client library; measured within (a)), us",
-            f"  round-trip floor (DEALER -> ROUTER child, one batch_is_exist)  p50 {fmt(fl['round_trip_us']['p50'])}"
-            f"  p99 {fmt(fl['round_trip_us']['p99'])}",
-            f"  touch floor (one send + one drain of an arrived reply)       p50 {fmt(fl['touch_us']['p50'])}"
-            f"  p99 {fmt(fl['touch_us']['p99'])}"]
+    lines = ["floors (no client library; measured within (a); reported, not targeted), us",
+             f"  round-trip floor (DEALER -> ROUTER child, one batch_is_exist)  p50 {fmt(fl['round_trip_us']['p50'])}"
+             f"  p99 {fmt(fl['round_trip_us']['p99'])}",
+             f"  touch floor (one send + one drain of an arrived reply)       p50 {fmt(fl['touch_us']['p50'])}"
+             f"  p99 {fmt(fl['touch_us']['p99'])}"]
+    if "split_us" in fl:
+        lines.append(f"  split floor (a send, one step, then one recv)               p50 {fmt(fl['split_us']['p50'])}"
+                     f"  p99 {fmt(fl['split_us']['p99'])}")
+    return lines
 
 
 def a_block(r: dict[str, Any]) -> list[str]:
     """Scenario (a): one lookup call per client, sync and async."""
-    lines = ["(a) scheduler-path cost of one lookup call, us (ours with metrics+spans on; one lookup per step)",
-             f"  {'client':26} {'sync p50':>9} {'sync p99':>9} {'async 1st p50':>14} {'async/lookup p50':>17} "
-             f"{'x upstream':>10}"]
+    lines = ["(a) scheduler-path cost of one lookup call, us (ours with production telemetry unless named, the named "
+             "rows each in a process of its own; one lookup per step)",
+             f"  {'client':34} {'sync p50':>9} {'sync p99':>9} {'async 1st p50':>14} {'async/lookup p50':>17} "
+             f"{'x upstream':>10} {'x split floor':>13}"]
     base = r["a"]["upstream"]["async_per_lookup_us"]["p50"] if "upstream" in r["a"] else None
+    split = r.get("floors", {}).get("split_us", {}).get("p50")
     for name, v in r["a"].items():
-        lines.append(f"  {name:26} {fmt(v['sync_call_us']['p50']):>9} {fmt(v['sync_call_us']['p99']):>9} "
-                     f"{fmt(v['async_first_call_us']['p50']):>14} {fmt(v['async_per_lookup_us']['p50']):>17} "
-                     f"{fmt(ratio(v['async_per_lookup_us']['p50'], base), 2):>10}")
+        per_lookup = v["async_per_lookup_us"]["p50"]
+        lines.append(f"  {name:34} {fmt(v['sync_call_us']['p50']):>9} {fmt(v['sync_call_us']['p99']):>9} "
+                     f"{fmt(v['async_first_call_us']['p50']):>14} {fmt(per_lookup):>17} "
+                     f"{fmt(ratio(per_lookup, base), 2):>10} {fmt(ratio(per_lookup, split), 2):>13}")
     return lines
 
 
@@ -53,14 +60,14 @@ def a4_block(r: dict[str, Any]) -> list[str]:
     ks = a4["ks"]
     lines = [f"(a4) k lookups arriving in one step, polled once per step ({a4['step_ms']:g} ms) until answered: "
              "cost per lookup on the scheduler's thread, p50 us (mean steps to answer)",
-             f"  {'client':26} " + " ".join(f"{'k=' + str(k):>16}" for k in ks)]
+             f"  {'client':34} " + " ".join(f"{'k=' + str(k):>16}" for k in ks)]
     for name, per_k in a4["clients"].items():
-        lines.append(f"  {name:26} " + " ".join(
+        lines.append(f"  {name:34} " + " ".join(
             f"{fmt(per_k[str(k)]['per_lookup_us']['p50']):>9} ({per_k[str(k)]['mean_steps']:4.1f})" for k in ks))
     up, ours = a4["clients"].get("upstream"), a4["clients"].get("ours/pipelined")
     if up is None or ours is None:
         return lines
-    lines.append(f"  {'ours / upstream':26} " + " ".join(
+    lines.append(f"  {'ours / upstream':34} " + " ".join(
         f"{fmt(ratio(ours[str(k)]['per_lookup_us']['p50'], up[str(k)]['per_lookup_us']['p50']), 2):>16}" for k in ks))
     return lines
 
@@ -91,14 +98,20 @@ def c_block(r: dict[str, Any]) -> list[str]:
 
 
 def d_block(r: dict[str, Any]) -> list[str]:
-    """Scenario (d): what metrics and spans add."""
+    """Scenario (d): telemetry as deployed vs none, in (f)'s ``schedule()`` time, each variant in its own processes."""
     d = r["d"]
-    return ["(d) instrumentation: blocking lookup end to end, us",
-            f"  on  p50 {fmt(d['on_us']['p50'])}  mean {fmt(d['on_us']['mean'])}",
-            f"  off p50 {fmt(d['off_us']['p50'])}  mean {fmt(d['off_us']['mean'])}",
-            f"  added by both: median {100 * d['median_overhead']:+.1f}%, mean {100 * d['mean_overhead']:+.1f}%",
-            f"  metrics only: median {100 * d['metrics_median_overhead']:+.1f}%; spans only: median "
-            f"{100 * d['spans_median_overhead']:+.1f}%"]
+    if "added" not in d:  # a record from before (d) measured schedule(): a blocking lookup, telemetry on and off
+        return ["(d) instrumentation: blocking lookup end to end, us",
+                f"  on  p50 {fmt(d['on_us']['p50'])}  off p50 {fmt(d['off_us']['p50'])}  added by both: median "
+                f"{100 * d['median_overhead']:+.1f}%"]
+    lines = [f"(d) telemetry as deployed vs none: (f) at {d['blocks']} blocks, ours async, mean schedule() per step, "
+             f"us ({d['rounds']} processes per variant, ABBA)",
+             f"  deployed  mean {fmt(d['deployed_schedule_us']['mean'])}  p50 {fmt(d['deployed_schedule_us']['p50'])}",
+             f"  off       mean {fmt(d['off_schedule_us']['mean'])}  p50 {fmt(d['off_schedule_us']['p50'])}",
+             f"  added by telemetry as deployed: {100 * d['added']:+.1f}% (span exports received: {d['span_posts']})"]
+    lines += [f"    process {i + 1}: {p['variant']:8} mean {fmt(p['schedule_us']['mean'])} us over "
+              f"{p['schedule_us']['n']} steps" for i, p in enumerate(d["processes"])]
+    return lines
 
 
 def e_block(r: dict[str, Any]) -> list[str]:
@@ -121,21 +134,33 @@ def e_block(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _f_rows(length: dict[str, Any]) -> list[str]:
+    up = length["modes"]["upstream async"]["schedule_us"]["mean"]
+    return [f"  {length['blocks']:>6} {m['requests']:>8} {label:16} {fmt(m['call_us'].get('p50')):>9} "
+            f"{fmt(m['call_us'].get('mean')):>9} {fmt(m['call_us'].get('p99')):>9} "
+            f"{fmt(m['schedule_us'].get('mean')):>10} {fmt(m['answer_delay_us'].get('p50', 0) / 1e3, 2):>9} "
+            f"{m['mean_deferred_steps']:8.2f} {fmt(ratio(m['schedule_us'].get('mean'), up), 2):>10}"
+            for label, m in length["modes"].items()]
+
+
+_F_HEAD = (f"  {'blocks':>6} {'requests':>8} {'client':16} {'call p50':>9} {'call mean':>9} {'call p99':>9} "
+           f"{'schedule()':>10} {'answer ms':>9} {'deferred':>8} {'x upstream':>10}")
+
+
 def f_block(r: dict[str, Any]) -> list[str]:
     """Scenario (f): the whole prompt-length curve of both clients."""
-    lines = ["(f) prompt length through vLLM's scheduler, both async (model step 1.5 ms): per-call cost us, "
-             "mean schedule() us per step, answer p50 ms",
-             f"  {'blocks':>6} {'requests':>8} {'client':16} {'call p50':>9} {'call mean':>9} {'call p99':>9} "
-             f"{'schedule()':>10} {'answer ms':>9} {'deferred':>8} {'x upstream':>10}"]
+    lines = ["(f) prompt length through vLLM's scheduler, both async (model step 1.5 ms; rounds of each client "
+             "pooled): per-call cost us, mean schedule() us per step, answer p50 ms", _F_HEAD]
     for length in r["f"]["lengths"]:
-        up = length["modes"]["upstream async"]["schedule_us"]["mean"]
-        for label, m in length["modes"].items():
-            lines.append(f"  {length['blocks']:>6} {m['requests']:>8} {label:16} {fmt(m['call_us'].get('p50')):>9} "
-                         f"{fmt(m['call_us'].get('mean')):>9} {fmt(m['call_us'].get('p99')):>9} "
-                         f"{fmt(m['schedule_us'].get('mean')):>10} "
-                         f"{fmt(m['answer_delay_us'].get('p50', 0) / 1e3, 2):>9} "
-                         f"{m['mean_deferred_steps']:8.2f} {fmt(ratio(m['schedule_us'].get('mean'), up), 2):>10}")
+        lines += _f_rows(length)
     return lines
+
+
+def f_load_block(r: dict[str, Any]) -> list[str]:
+    """Target f-load: (f) at 64 blocks with more arrivals a step than upstream's one thread answers."""
+    load = r["f_load"]
+    return [f"(f-load) {load['blocks']}-block prompts, {load['arrivals_per_step']} arrivals a step, both async "
+            f"({load['rounds']} rounds each, pooled)", _F_HEAD, *_f_rows(load)]
 
 
 def b_block(r: dict[str, Any]) -> list[str]:
@@ -191,6 +216,35 @@ def g_block(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def h_block(r: dict[str, Any]) -> list[str]:
+    """Scenario (h), phase by phase: the master's CPU, keys and calls per lookup, latency, the others' CPU."""
+    h = r["h"]
+    cal = h["calibration"]
+    lines = [f"(h) a fleet on one master: N engines (a lookup server and an engine process each), {h['seconds']:g} s "
+             f"a phase; the master's CPU net of its idle rate (clock: {h['clock']})",
+             "  the master's CPU per store call, calls back to back on the same keys: "
+             + ", ".join(f"{p['keys']} keys {fmt(p['per_call_us'])} us" for p in cal["points"]),
+             f"  {'workload':13} {'N':>2} {'client':8} {'lookups/s':>9} {'master ms/1k':>12} {'keys/lookup':>11} "
+             f"{'calls/lookup':>12} {'p50 ms':>7} {'p99 ms':>7} {'clients ms/1k':>13} {'servers ms/1k':>13} "
+             f"{'idle ms/s':>9} {'hit tokens/lookup':>17}"]
+    for p in h["phases"]:
+        m = p["master"]
+        lines.append(f"  {p['workload']:13} {p['n']:>2} {p['client']:8} {fmt(p['lookups_per_s']):>9} "
+                     f"{fmt(m['per_1000_ms']):>12} {fmt(m['keys_per_lookup']):>11} {fmt(m['calls_per_lookup'], 2):>12} "
+                     f"{fmt(p['delay_ms']['p50'], 2):>7} {fmt(p['delay_ms']['p99'], 2):>7} "
+                     f"{fmt(p['clients_cpu_per_1000_ms']):>13} {fmt(p['servers_cpu_per_1000_ms']):>13} "
+                     f"{fmt(m['idle_ms_per_s'], 2):>9} {fmt(p.get('hit_tokens_per_lookup')):>17}")
+    for kind, s in h["summary"].items():
+        for client in ("upstream", "ours"):
+            c = s[client]
+            doubled = c["p99_doubles_at"]
+            lines.append(f"  {kind}, {client}: master {fmt(c['master_per_1000_ms'])} ms per 1,000 lookups; p99 "
+                         + ", ".join(f"N={n} {fmt(v, 2)} ms" for n, v in c["p99_ms_by_n"].items())
+                         + f"; doubles at N = {doubled if doubled is not None else 'none measured'}")
+        lines.append(f"  {kind}: ours / upstream {fmt(s['ratio'], 3)}")
+    return lines
+
+
 def targets_block(entries: list[dict[str, Any]]) -> list[str]:
     """The targets, one line each (with the figures measured beside a target under it)."""
     lines = ["targets (ratio = ours / reference; met when within the bound):"]
@@ -202,6 +256,15 @@ def targets_block(entries: list[dict[str, Any]]) -> list[str]:
             p = t["scheduler_path_us"]
             lines.append(f"       beside it, the scheduler-path cost per lookup (async, p50): ours {fmt(p['ours'])} vs "
                          f"{fmt(p['upstream'])} us, ratio {fmt(p['ratio'], 2)}")
+        if "schedule_us" in t:
+            sch = t["schedule_us"]
+            lines.append(f"       beside it, mean schedule() per step: ours {fmt(sch['ours'])} vs "
+                         f"{fmt(sch['upstream'])} us, "
+                         f"ratio {fmt(sch['ratio'], 2)}")
+        if "sizes" in t:
+            lines.append("       each size: " + "; ".join(f"{s['blocks']} blocks {fmt(s['ours_ms'], 2)} vs "
+                                                          f"{fmt(s['upstream_ms'], 2)} ms ({fmt(s['ratio'], 2)})"
+                                                          for s in t["sizes"]))
         if "vllm_layout" in t:
             v = t["vllm_layout"]
             lines.append(f"       through vLLM's key layout (upstream's worker): ours {fmt(v['ours'], 2)} vs "
@@ -212,4 +275,4 @@ def targets_block(entries: list[dict[str, Any]]) -> list[str]:
 
 
 __all__ = ["a4_block", "a_block", "b_block", "backends_block", "c_block", "d_block", "e_block", "f_block",
-           "floors_block", "fmt", "g_block", "ratio", "targets_block"]
+           "f_load_block", "floors_block", "fmt", "g_block", "h_block", "ratio", "targets_block"]

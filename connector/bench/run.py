@@ -1,16 +1,17 @@
-"""``mooncake-lookout bench``: upstream's lookup path vs ours vs the machine's floors, in one run, on one real master.
+"""``mooncake-lookout bench``: upstream's lookup path vs ours vs the machine's floors, in one run, on real masters.
 
 Scenarios (one module each in this package): the floors (:mod:`.floors`, measured within (a)); (a)
-:mod:`.call` scheduler-path cost of one call; (a4) :mod:`.per_step` k lookups arriving in one step; the
-server side per backend (:mod:`.backends`, in-process, read-only); (b)
-:mod:`.burst` a burst of new requests; (c) :mod:`.sched` vLLM's real scheduler per lookup mode; (d)
-:mod:`.overhead` metrics and spans on vs off; (e) :mod:`.fault` the store slowed or stopped; (f)
-:mod:`.long_prompts` prompts of 8 to 4,096 blocks through vLLM's scheduler; (g) :mod:`.multi_turn`
-multi-turn conversations through vLLM's scheduler, the store keys each turn's lookup sends (the prefix
-cache's issue).
-Writes ``bench.json`` (machines), ``bench.txt`` (the table printed) and PNG figures to ``--out``.
-Each target of the lookup-path issue is judged in :func:`targets`: ours, the reference (upstream, a
-floor, a deadline), the ratio, the bound and "met" or "MISSED".
+:mod:`.call` scheduler-path cost of one call; (a4) :mod:`.per_step` k lookups arriving in one step (their rows
+with no telemetry and with every span in processes of their own, :mod:`.solo`); the server side per backend
+(:mod:`.backends`, in-process, read-only); (b) :mod:`.burst` a burst of new requests; (c) :mod:`.sched`
+vLLM's real scheduler per lookup mode; (d) :mod:`.overhead` telemetry as deployed vs none, added to (f)'s
+``schedule()`` time, in processes of their own; (e) :mod:`.fault` the store slowed or stopped; (f)
+:mod:`.long_prompts` prompts of 8 to 4,096 blocks through vLLM's scheduler, and f-load, the same loaded; (g)
+:mod:`.multi_turn` multi-turn conversations through vLLM's scheduler, the store keys each turn's lookup sends;
+(h) :mod:`.fleet` a fleet of engines' lookup paths on one master, the master's own CPU.
+(a)-(g) share one rig (:class:`~.rig.Rig`: a master, a lookup server process); (h) starts its own master and
+fleet once the rig is stopped. Writes ``bench.json`` (machines), ``bench.txt`` (the table printed) and PNG
+figures to ``--out``. The targets are judged in :mod:`.targets`.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mooncake_lookout.connector.bench import long_prompts, multi_turn
+from mooncake_lookout.connector.bench import fleet, long_prompts, multi_turn
 from mooncake_lookout.connector.bench.conversations import Shape
 from mooncake_lookout.connector.bench.report import (
     a4_block,
@@ -34,43 +35,48 @@ from mooncake_lookout.connector.bench.report import (
     d_block,
     e_block,
     f_block,
+    f_load_block,
     floors_block,
     g_block,
+    h_block,
     targets_block,
 )
-from mooncake_lookout.connector.bench.report import ratio as ratio_of
+from mooncake_lookout.connector.bench.targets import A4_K, AUTO, TARGET_IDS, targets
 from mooncake_lookout.connector.rigs.machine import machine
 from mooncake_lookout.connector.rigs.workload import shared_prefix_workload
 from mooncake_lookout.connector.transport.names import UPSTREAM
 
 BUDGET_US = 200
-AUTO = "ours budget auto"
-A4_K = 16  # the k of target a4
-TARGET_IDS = ("a", "a1", "a4", "a2", "a3", "b", "c1", "c2", "d", "e", "f", "g1", "g2")
+SCENARIOS = ("a", "a4", "backends", "b", "c", "d", "e", "f", "f-load", "g", "h")  # what --only may name
+CALL_SEED = 1  # the requests of (a), (a4), (d)'s old rotation and the solo rows: shared_prefix_workload(seed=1)
 
 
 @dataclass(frozen=True)
 class Sizes:
-    """How much each scenario does: ``quick`` (a test, well under 2 minutes) or full (several minutes)."""
+    """How much each scenario does: ``quick`` (a test, a few minutes) or full (under half an hour on 2 cores)."""
 
     call_requests: int
     burst_n: int
     burst_repeats: int
     sched_steps: int
-    overhead_rounds: int
     fault_requests: int
     fault_wait_s: float
     budgets_us: tuple[int, ...]
     per_step_rounds: int
     lengths: tuple[long_prompts.Length, ...]
+    f_rounds: int  # ABBA rounds of each (f) length
+    f_load: long_prompts.Length
+    d_rounds: int  # processes per telemetry variant of (d)
     backend_rounds: int
     conversations: tuple[Shape, ...]  # scenario (g): the issue's example first, the 4,096-block context last
     vllm_layout: bool  # scenario (g) also through vLLM's key layout (a server process more: ~20 s to start)
+    fleet: fleet.FleetSizes
 
 
-QUICK = Sizes(100, 256, 1, 100, 6, 20, 2.0, (BUDGET_US,), 6, long_prompts.QUICK, 5, multi_turn.QUICK, False)
-FULL = Sizes(500, 256, 5, 400, 24, 100, 5.0, (BUDGET_US, 500, 1000), 40, long_prompts.FULL, 30, multi_turn.FULL,
-             True)
+QUICK = Sizes(100, 256, 1, 100, 20, 2.0, (BUDGET_US,), 6, long_prompts.QUICK, long_prompts.QUICK_ROUNDS,
+              long_prompts.QUICK_LOAD, 1, 5, multi_turn.QUICK, False, fleet.QUICK)
+FULL = Sizes(1000, 256, 5, 600, 100, 5.0, (BUDGET_US, 500, 1000), 100, long_prompts.FULL, long_prompts.FULL_ROUNDS,
+             long_prompts.FULL_LOAD, 6, 30, multi_turn.FULL, True, fleet.FULL)
 
 
 def _modes(sizes: Sizes) -> list[Any]:
@@ -87,49 +93,35 @@ def _modes(sizes: Sizes) -> list[Any]:
     return modes
 
 
-def run_bench(out_dir: str, *, quick: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run every scenario, write the outputs, return the results (as written to ``bench.json``)."""
-    from mooncake_lookout.connector.bench import burst, call, fault, overhead, per_step, sched
-    from mooncake_lookout.connector.bench.plots import write_all
-    from mooncake_lookout.connector.bench.rig import Rig
-    from mooncake_lookout.connector.rigs.scheduler_driver import freeze_startup_heap
+def selected(only: Sequence[str] | None) -> tuple[str, ...]:
+    """The scenarios to run: every one of :data:`SCENARIOS`, or those ``only`` names (ValueError for others)."""
+    if not only:
+        return SCENARIOS
+    unknown = [s for s in only if s not in SCENARIOS]
+    if unknown:
+        raise ValueError(f"unknown scenario {', '.join(map(repr, unknown))}: choose among {', '.join(SCENARIOS)}")
+    return tuple(s for s in SCENARIOS if s in only)
 
+
+def run_bench(out_dir: str, *, quick: bool = False, only: Sequence[str] | None = None,
+              log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the scenarios (all, or ``only`` those), write the outputs, return the results (as in ``bench.json``)."""
+    from mooncake_lookout.connector.bench.plots import write_all
+
+    chosen = selected(only)
     sizes = QUICK if quick else FULL
     t_start = time.perf_counter()
     results: dict[str, Any] = {"quick": quick, "machine": machine()}
-    call_reqs = shared_prefix_workload(sizes.call_requests, num_prefixes=4, seed=1)
-    burst_reqs = shared_prefix_workload(sizes.burst_n, num_prefixes=4, seed=2)
-    log("starting a Mooncake master, the lookup server process and the floor's process ...")
-    with Rig(namespace="bench", floor=True) as rig:
-        rig.index.store_prefixes([r.block_hashes[:4] if i % 2 else r.block_hashes
-                                  for i, r in enumerate(call_reqs + burst_reqs)])
-        results["rig_start_s"] = time.perf_counter() - t_start
-        freeze_startup_heap()  # as vLLM's engine does once started: no full collection lands in a timed call
-        log("(a) scheduler-path cost of one call, with the round-trip and touch floors ...")
-        a = call.run(rig, call_reqs, rig.floor)
-        raw_latency = a.pop("raw")
-        results["floors"] = a.pop("floors")
-        results["a"] = a
-        log("(a4) k lookups arriving in one step ...")
-        results["a4"] = per_step.run(rig, call_reqs, rounds=sizes.per_step_rounds)
-        log("server side: one lookup per backend ...")
-        results["backends"] = _backends(rig, sizes.backend_rounds)
-        log(f"(b) burst of {sizes.burst_n} ...")
-        results["b"] = burst.run(rig, burst_reqs, repeats=sizes.burst_repeats)
-        log("(c) vLLM's scheduler per lookup mode ...")
-        workload = sched.Workload()
-        results["c"] = {"steps": sizes.sched_steps, "arrivals_per_step": 4, "model_step_ms": 1.5,
-                        "modes": [sched.run_mode(rig, workload, m, steps=sizes.sched_steps).as_dict()
-                                  for m in _modes(sizes)]}
-        log("(d) instrumentation on vs off ...")
-        results["d"] = overhead.run(rig, call_reqs, rounds=sizes.overhead_rounds)
-        log("(e) store slowed, then stopped ...")
-        results["e"] = fault.run(rig, call_reqs[:sizes.fault_requests], wait_s=sizes.fault_wait_s)
-        log("(f) prompts of 8 to 4,096 blocks through vLLM's scheduler ...")
-        results["f"] = long_prompts.run(rig, sizes.lengths)
-        log("(g) multi-turn conversations through vLLM's scheduler"
-            + (", also in vLLM's key layout ..." if sizes.vllm_layout else " ..."))
-        results["g"] = multi_turn.run(rig, sizes.conversations, layout=sizes.vllm_layout)
+    if len(chosen) < len(SCENARIOS):
+        results["only"] = list(chosen)
+    raw_latency: dict[str, Any] = {}
+    if set(chosen) - {"h"}:
+        raw_latency = _on_the_rig(results, sizes, chosen, t_start, log)
+    if "h" in chosen:
+        step = _Timer(results, log)
+        step("h", f"(h) a fleet of {', '.join(map(str, sizes.fleet.ns))} engines' lookup paths on one master ...")
+        results["h"] = fleet.run(sizes.fleet, log=log)
+        step.stop()
     results["machine"]["loadavg_at_end"] = list(os.getloadavg())
     results["targets"] = targets(results)
     results["seconds"] = time.perf_counter() - t_start
@@ -142,6 +134,95 @@ def run_bench(out_dir: str, *, quick: bool = False, log: Callable[[str], None] =
     results["plots"] = write_all(results, raw_latency, out_dir)
     log(table)
     return results
+
+
+class _Timer:
+    """Logs each scenario's start and keeps how long each took (``results["scenario_seconds"]``)."""
+
+    def __init__(self, results: dict[str, Any], log: Callable[[str], None]) -> None:
+        self.seconds: dict[str, float] = results.setdefault("scenario_seconds", {})
+        self.log = log
+        self.name: str | None = None
+        self.t0 = 0.0
+
+    def __call__(self, name: str, message: str) -> None:
+        """Scenario ``name`` starts now (the one before ends)."""
+        self.stop()
+        self.name, self.t0 = name, time.perf_counter()
+        self.log(message)
+
+    def stop(self) -> None:
+        """The running scenario ends now."""
+        if self.name is not None:
+            self.seconds[self.name] = time.perf_counter() - self.t0
+            self.name = None
+
+
+def _on_the_rig(results: dict[str, Any], sizes: Sizes, chosen: Sequence[str], t_start: float,
+                log: Callable[[str], None]) -> dict[str, Any]:
+    """Scenarios (a)-(g) on one rig, in order; returns (a)'s raw latencies for the plots."""
+    from mooncake_lookout.connector.bench import burst, call, fault, overhead, per_step, sched, solo
+    from mooncake_lookout.connector.bench.rig import Rig
+    from mooncake_lookout.connector.rigs.scheduler_driver import freeze_startup_heap
+
+    call_spec = {"n": sizes.call_requests, "num_prefixes": 4, "seed": CALL_SEED}
+    call_reqs = shared_prefix_workload(sizes.call_requests, num_prefixes=4, seed=CALL_SEED)
+    burst_reqs = shared_prefix_workload(sizes.burst_n, num_prefixes=4, seed=2)
+    raw_latency: dict[str, Any] = {}
+    step = _Timer(results, log)
+    step("rig", "starting a Mooncake master, the lookup server process and the floor's process ...")
+    with Rig(namespace="bench", floor="a" in chosen) as rig:
+        rig.index.store_prefixes([r.block_hashes[:4] if i % 2 else r.block_hashes
+                                  for i, r in enumerate(call_reqs + burst_reqs)])
+        results["rig_start_s"] = time.perf_counter() - t_start
+        freeze_startup_heap()  # as vLLM's engine does once started: no full collection lands in a timed call
+        if "a" in chosen:
+            step("a", "(a) scheduler-path cost of one call, with the round-trip, touch and split floors ...")
+            a = call.run(rig, call_reqs, rig.floor)
+            raw_latency = a.pop("raw")
+            results["floors"] = a.pop("floors")
+            results["a"] = a
+        if "a4" in chosen:
+            step("a4", "(a4) k lookups arriving in one step ...")
+            results["a4"] = per_step.run(rig, call_reqs, rounds=sizes.per_step_rounds)
+        if "a" in chosen or "a4" in chosen:
+            step("a-solo", "(a), (a4): ours with no telemetry, and with every span, each in a process of its own ...")
+            rows = solo.run_rows(rig, call_spec, ks=per_step.KS, a4_rounds=sizes.per_step_rounds)
+            if "a" in chosen:
+                results["a"].update(rows["a"])
+            if "a4" in chosen:
+                results["a4"]["clients"].update(rows["a4"])
+        if "backends" in chosen:
+            step("backends", "server side: one lookup per backend ...")
+            results["backends"] = _backends(rig, sizes.backend_rounds)
+        if "b" in chosen:
+            step("b", f"(b) burst of {sizes.burst_n} ...")
+            results["b"] = burst.run(rig, burst_reqs, repeats=sizes.burst_repeats)
+        if "c" in chosen:
+            step("c", "(c) vLLM's scheduler per lookup mode ...")
+            workload = sched.Workload()
+            results["c"] = {"steps": sizes.sched_steps, "arrivals_per_step": 4, "model_step_ms": 1.5,
+                            "modes": [sched.run_mode(rig, workload, m, steps=sizes.sched_steps).as_dict()
+                                      for m in _modes(sizes)]}
+        if "e" in chosen:
+            step("e", "(e) store slowed, then stopped ...")
+            results["e"] = fault.run(rig, call_reqs[:sizes.fault_requests], wait_s=sizes.fault_wait_s)
+        if "f" in chosen:
+            step("f", "(f) prompts of 8 to 4,096 blocks through vLLM's scheduler ...")
+            results["f"] = long_prompts.run(rig, sizes.lengths, rounds=sizes.f_rounds)
+        if "f-load" in chosen:
+            step("f-load", f"(f-load) 64-block prompts, {sizes.f_load.arrivals_per_step} arrivals a step ...")
+            results["f_load"] = long_prompts.run_load(rig, sizes.f_load)
+        if "d" in chosen:
+            step("d", "(d) telemetry as deployed vs none, (f) at 64 blocks, each in processes of its own ...")
+            results["d"] = overhead.run(rig, rounds=sizes.d_rounds)
+        if "g" in chosen:
+            step("g", "(g) multi-turn conversations through vLLM's scheduler"
+                + (", also in vLLM's key layout ..." if sizes.vllm_layout else " ..."))
+            results["g"] = multi_turn.run(rig, sizes.conversations, layout=sizes.vllm_layout)
+        step("rig-stop", "stopping the rig ...")
+    step.stop()
+    return raw_latency
 
 
 def _backends(rig: Any, rounds: int) -> dict[str, Any]:
@@ -165,145 +246,10 @@ def _json_default(obj: Any) -> Any:
     return str(obj)
 
 
-def _mode(modes: list[dict[str, Any]], label: str) -> dict[str, Any]:
-    return next(m for m in modes if m["label"] == label)
-
-
-def _target(id_: str, what: str, ours: float, ref: float | None, *, vs: str, unit: str, limit: float,
-            ratio: float | None = None, judged: float | None = None, bound: str | None = None) -> dict[str, Any]:
-    """One target: ``ours`` against ``ref`` (upstream's figure or a floor's, per ``vs``); met when the judged
-    figure (the ratio, unless ``judged`` is given) is at most ``limit``."""
-    ratio = ratio_of(ours, ref) if ratio is None else ratio
-    figure = ratio if judged is None else judged
-    entry: dict[str, Any] = {"id": id_, "what": what, "ours": ours, "vs": vs, "unit": unit}
-    entry["floor" if "floor" in vs else "upstream"] = ref
-    entry.update(ratio=ratio, bound=bound or f"<= {limit:g}", met=figure is not None and figure <= limit)
-    return entry
-
-
-def _has(r: dict[str, Any], *path: str) -> bool:
-    for key in path:
-        if not isinstance(r, dict) or key not in r:
-            return False
-        r = r[key]
-    return True
-
-
-def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each target of the lookup-path issue, in :data:`TARGET_IDS` order: figures, ratio, bound, met.
-
-    A target whose figures were not measured (``bench --server`` has no upstream, say) is left out.
-    """
-    out = []
-    floors = r.get("floors", {})
-    if _has(r, "a", "ours/pipelined"):
-        a_ours = r["a"]["ours/pipelined"]
-        async_ours, sync_ours = a_ours["async_per_lookup_us"]["p50"], a_ours["sync_call_us"]["p50"]
-        a_up = r["a"].get("upstream")
-        if a_up is not None:
-            out.append(_target("a", "async scheduler-path cost per lookup, median, ours (metrics+spans) / upstream",
-                               async_ours, a_up["async_per_lookup_us"]["p50"], vs="upstream", unit="us", limit=1.0))
-        if floors:
-            out.append(_target("a1", "the same, ours / touch floor (one send + one drain on the caller's thread)",
-                               async_ours, floors["touch_us"]["p50"], vs="touch floor", unit="us", limit=1.5))
-        if _has(r, "a4", "clients", "upstream", str(A4_K)) and _has(r, "a4", "clients", "ours/pipelined", str(A4_K)):
-            a4 = r["a4"]["clients"]
-            out.append(_target("a4", f"{A4_K} lookups arriving in one step: cost per lookup, median, ours / upstream",
-                               a4["ours/pipelined"][str(A4_K)]["per_lookup_us"]["p50"],
-                               a4["upstream"][str(A4_K)]["per_lookup_us"]["p50"], vs="upstream", unit="us",
-                               limit=0.5))
-        if a_up is not None:
-            out.append(_target("a2", "blocking lookup p50, ours / upstream", sync_ours, a_up["sync_call_us"]["p50"],
-                               vs="upstream", unit="us", limit=0.9))
-        if floors:
-            out.append(_target("a3", "blocking lookup p50, ours / round-trip floor", sync_ours,
-                               floors["round_trip_us"]["p50"], vs="round-trip floor", unit="us", limit=1.2))
-    if _has(r, "b", "upstream") and _has(r, "b", "ours/pipelined"):
-        b = r["b"]
-        out.append(_target("b", f"burst of {b['n']}: time to all answers, ours pipelined / upstream",
-                           b["ours/pipelined"]["seconds"] * 1e3, b["upstream"]["seconds"] * 1e3, vs="upstream",
-                           unit="ms", limit=0.1))
-    if _has(r, "c", "modes") and floors:
-        modes = r["c"]["modes"]
-        auto, up_async = _mode(modes, AUTO), _mode(modes, "upstream async")
-        out.append(_target("c1", "lookup_wait_us auto: mean deferred steps per request (upstream async beside it)",
-                           auto["mean_deferred_steps"], up_async["mean_deferred_steps"], vs="upstream",
-                           unit="steps", limit=0.2, judged=auto["mean_deferred_steps"], bound="ours <= 0.2 steps"))
-        out.append(_target("c2", "lookup_wait_us auto: p99 of one scheduler call / the round-trip floor's p99",
-                           auto["call_us"]["p99"], floors["round_trip_us"]["p99"], vs="round-trip floor", unit="us",
-                           limit=1.5))
-    if _has(r, "d"):
-        d = r["d"]
-        out.append(_target("d", "metrics+spans on: added end-to-end lookup time (median; reference: telemetry off)",
-                           d["on_us"]["p50"], d["off_us"]["p50"], vs="telemetry off", unit="us", limit=0.05,
-                           ratio=1.0 + d["median_overhead"], judged=d["median_overhead"], bound="<= 5% added"))
-    if _has(r, "e", "stopped"):
-        e = r["e"]["stopped"]
-        ours_block = max(e[n]["blocked_s"] or float("inf") for n in ("ours/pipelined", "ours/upstream-wire"))
-        up = e["upstream"]
-        up_block = up["blocked_s"] if up.get("blocked_s") is not None else up["still_blocked_after_s"]
-        deadline_s = e["ours/pipelined"]["deadline_ms"] / 1e3
-        entry = _target("e", f"store stopped: longest blocking call / the deadline ({deadline_s * 1e3:g} ms); "
-                             "upstream blocks beside it", ours_block * 1e3, up_block * 1e3,
-                        vs="upstream blocked; ratio to the deadline", unit="ms", limit=1.05,
-                        ratio=ours_block / deadline_s, bound="ours <= deadline + 5%, upstream blocks")
-        entry["met"] = entry["met"] and (up.get("blocked_s") is None or up["blocked_s"] > deadline_s)
-        entry["deadline_ms"] = deadline_s * 1e3
-        out.append(entry)
-    if _has(r, "f", "lengths"):
-        longest = max(r["f"]["lengths"], key=lambda length: length["blocks"])
-        f_modes = longest["modes"]
-        out.append(_target("f", f"{longest['blocks']}-block prompts, both async: mean schedule() time per step, "
-                                "ours / upstream", f_modes["ours async"]["schedule_us"]["mean"],
-                           f_modes["upstream async"]["schedule_us"]["mean"], vs="upstream", unit="us", limit=1.0))
-    return out + _g_targets(r)
-
-
-def _g_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 19's two targets, judged on the prefix index's runs; vLLM's key layout's figures beside when measured."""
-    if not _has(r, "g", "backends", multi_turn.INDEX):
-        return []
-    backends = r["g"]["backends"]
-
-    def later(backend: str, shape_at: int, label: str) -> dict[str, Any]:
-        return backends[backend][shape_at]["runs"][label]["from_turn_2"]
-
-    def beside(entry: dict[str, Any], figure: Callable[[str, str], float | None], limit: float) -> None:
-        if multi_turn.LAYOUT in backends:
-            ours, up = figure(multi_turn.LAYOUT, "ours"), figure(multi_turn.LAYOUT, "upstream")
-            ratio = ratio_of(ours, up)
-            entry["vllm_layout"] = {"ours": ours, "upstream": up, "ratio": ratio,
-                                    "met": ratio is not None and ratio <= limit}
-
-    first = backends[multi_turn.INDEX][0]["shape"]
-    longest = max(range(len(backends[multi_turn.INDEX])),
-                  key=lambda i: backends[multi_turn.INDEX][i]["shape"]["context_blocks"])
-    long_shape = backends[multi_turn.INDEX][longest]["shape"]
-
-    def keys(backend: str, client: str) -> float | None:
-        return later(backend, 0, f"{client} sync")["keys_per_lookup"]
-
-    def answer(backend: str, client: str) -> float | None:
-        return later(backend, longest, f"{client} sync")["path_us"].get("p50")
-
-    g1 = _target("g1", f"multi-turn ({first['context_blocks']}-block context, {first['turns']} turns of "
-                       f"{first['blocks_per_turn']} blocks): store keys sent per lookup from the second turn on, "
-                       "ours / upstream (counted at the store client)", keys(multi_turn.INDEX, "ours"),
-                 keys(multi_turn.INDEX, "upstream"), vs="upstream", unit="keys", limit=0.1)
-    beside(g1, keys, 0.1)
-    g2 = _target("g2", f"multi-turn, {long_shape['context_blocks']}-block context: time to answer (sync lookup path, "
-                       "p50, from the second turn on), ours / upstream", answer(multi_turn.INDEX, "ours"),
-                 answer(multi_turn.INDEX, "upstream"), vs="upstream", unit="us", limit=0.2)
-    beside(g2, answer, 0.2)
-    path = {client: later(multi_turn.INDEX, longest, f"{client} async")["path_us"].get("p50")
-            for client in ("ours", "upstream")}
-    g2["scheduler_path_us"] = {**path, "ratio": ratio_of(path["ours"], path["upstream"])}
-    return [g1, g2]
-
-
 REPORT_BLOCKS: tuple[tuple[str, Callable[[dict[str, Any]], list[str]]], ...] = (
     ("floors", floors_block), ("a", a_block), ("a4", a4_block), ("backends", backends_block), ("b", b_block),
-    ("c", c_block), ("d", d_block), ("e", e_block), ("f", f_block), ("g", g_block))
+    ("c", c_block), ("d", d_block), ("e", e_block), ("f", f_block), ("f_load", f_load_block), ("g", g_block),
+    ("h", h_block))
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -316,8 +262,11 @@ def format_report(r: dict[str, Any]) -> str:
     for key, block in REPORT_BLOCKS:
         if key in r:  # a run that did not measure a scenario (an older record, say) just lacks its block
             lines += block(r) + [""]
+    if r.get("scenario_seconds"):
+        lines += ["time taken, s: " + ", ".join(f"{k} {v:.0f}" for k, v in r["scenario_seconds"].items())
+                  + (f"; the whole run {r['seconds']:.0f}" if "seconds" in r else ""), ""]
     return "\n".join(lines + targets_block(r["targets"]))
 
 
-__all__ = ["A4_K", "AUTO", "BUDGET_US", "FULL", "QUICK", "REPORT_BLOCKS", "Sizes", "TARGET_IDS", "format_report",
-           "machine", "run_bench", "targets"]
+__all__ = ["A4_K", "AUTO", "BUDGET_US", "FULL", "QUICK", "REPORT_BLOCKS", "SCENARIOS", "Sizes", "TARGET_IDS",
+           "format_report", "machine", "run_bench", "selected", "targets"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -205,13 +205,18 @@ def run_mode(rig: Rig, workload: Prompts, m: Mode, *, arrivals_per_step: int = 4
              seconds: float | None = None, model_step_s: float = 0.0015, first_request: int = 0,
              observers: Iterable[LookupObserver] = (), on_step: Callable[[SchedRun], None] | None = None,
              should_stop: Callable[[], bool] = lambda: False, drain_s: float = 5.0, arrival_every: int = 1,
-             num_blocks: int = 16_384, max_model_len: int = 2048) -> SchedRun:
+             num_blocks: int = 16_384, max_model_len: int = 2048, tally: bool = True,
+             prepare: Callable[[Any], None] | None = None) -> SchedRun:
     """Run vLLM's scheduler in mode ``m``: arrivals for ``steps`` steps (or ``seconds``), then drain.
 
     ``arrivals_per_step`` requests arrive before every ``arrival_every``-th step (long prompts arrive
     less often, so a run stays short). ``first_request`` offsets into the workload, so runs can use
     fresh request ids. ``observers`` are attached to our client (ignored for upstream's). ``on_step`` is
-    called after each step (progress). ``num_blocks`` and ``max_model_len`` size the scheduler.
+    called after each step (progress). ``num_blocks`` and ``max_model_len`` size the scheduler. ``tally``: the
+    bench's own counting observer on our client (outcomes, tokens, wait budgets, the prefix cache's figures);
+    without it our client carries only what vLLM's connector attaches (runs that compare ``schedule()`` time
+    with upstream's, which has no such observer). ``prepare`` is given the scheduler's driver once it is built,
+    before the first request.
     """
     from mooncake_lookout.connector.rigs.scheduler_driver import (
         SchedulerDriver,
@@ -228,10 +233,13 @@ def run_mode(rig: Rig, workload: Prompts, m: Mode, *, arrivals_per_step: int = 4
     run = SchedRun(m.label)
     counter = TokenTally()
     try:
+        if prepare is not None:
+            prepare(driver)
         workload.fill_store(rig, driver.block_hashes)
         if m.ours:
             client = driver.connector.lookup_client
-            client.observers.add(counter)
+            if tally:
+                client.observers.add(counter)
             for obs in observers:
                 client.observers.add(obs)
         probe = CallProbe(driver.connector)
@@ -291,6 +299,27 @@ def run_mode(rig: Rig, workload: Prompts, m: Mode, *, arrivals_per_step: int = 4
     return run
 
 
+def merge_runs(runs: Sequence[SchedRun]) -> SchedRun:
+    """Several runs of one mode as one: counts added, samples pooled (the last run's budget state kept)."""
+    out = SchedRun(runs[0].label)
+    for run in runs:
+        for name, value in vars(run).items():
+            if name == "label":
+                continue
+            if isinstance(value, list):
+                getattr(out, name).extend(value)
+            elif name == "outcomes":
+                for outcome, n in value.items():
+                    out.outcomes[outcome] = out.outcomes.get(outcome, 0) + n
+            elif name == "budget_state":
+                out.budget_state = value
+            elif name == "store_keys":
+                out.store_keys = None if value is None else (out.store_keys or 0) + value
+            else:
+                setattr(out, name, getattr(out, name) + value)
+    return out
+
+
 class TokenTally(OutcomeCounter):
     """An :class:`OutcomeCounter` that also adds up tokens asked about and tokens found, keeps each step's
     wait budget and each lookup's time from sent to answer collected (the round trip when the answer was
@@ -339,4 +368,4 @@ def _step(driver: Any, probe: CallProbe, run: SchedRun) -> None:
     run.blocked_per_step.append(probe.step_blocked)
 
 
-__all__ = ["CallProbe", "Mode", "Prompts", "SchedRun", "TokenTally", "Workload", "mode", "run_mode"]
+__all__ = ["CallProbe", "Mode", "Prompts", "SchedRun", "TokenTally", "Workload", "merge_runs", "mode", "run_mode"]

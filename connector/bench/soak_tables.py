@@ -56,7 +56,7 @@ ROWS: tuple[tuple[str, Cell], ...] = (
     ("faults injected", _faults),
     ("outcomes", _outcomes),
     ("wrong / stale hits", lambda r: f"**{r.get('wrong_hits')} / {r.get('stale_hits')}**"),
-    ("prefix cache (issue 19)", _prefix_cache),
+    ("prefix cache", _prefix_cache),
     ("`lookup()` calls over the deadline + the slack", _calls_over),
     ("blocking calls (sync mode)", _blocking),
     ("how late an answer came after its deadline (max)", lambda r: f"{num(r.get('max_late_ms'), 1)} ms"),
@@ -66,12 +66,6 @@ ROWS: tuple[tuple[str, Cell], ...] = (
      lambda r: f"{num(r.get('max_recovery_s'), 2)} s; {r.get('recoveries_failed')}"),
     ("verdict", _verdict),
 )
-SUMMARY = ("wrong / stale hits", "prefix cache (issue 19)",
-           "`lookup()` calls over the deadline + the slack", "rounds ending with pending lookups",
-           "memory growth (RSS, after warm-up to the end)", "slowest recovery after a fault; recoveries that failed",
-           "verdict")
-
-
 def soaks_note(soaks: Sequence[Soak]) -> str:
     """Which soaks, with which settings, when, on what code and how loaded."""
     parts = []
@@ -95,9 +89,17 @@ def render_soak_table(soaks: Sequence[Soak], rows: Sequence[str] | None = None) 
     return "\n".join(lines + ["", soaks_note(soaks)]) + "\n"
 
 
-def render_soak_summary(soaks: Sequence[Soak]) -> str:
-    """The README's rows of the soak table."""
-    return render_soak_table(soaks, SUMMARY)
+def soak_command(s: Soak) -> str:
+    """The command that reproduces soak ``s``: its transport and the settings it recorded."""
+    r, given = s.results, s.results.get("settings", {})
+    return (f"python -m mooncake_lookout.connector.rigs.soak --transport {s.transport} --lookups {r['lookups']} "
+            f"--fault-rate {given.get('fault_rate', MISSING)} --master-kills {given.get('master_kills', MISSING)} "
+            f"--seed {given.get('seed', MISSING)} --timeout-ms {num(r.get('timeout_ms'), 0)} --json")
 
 
-__all__ = ["ROWS", "SUMMARY", "render_soak_summary", "render_soak_table", "soaks_note"]
+def render_soak_commands(soaks: Sequence[Soak]) -> str:
+    """Each committed soak's command, fenced: what "run it yourself" runs to get the table above again."""
+    return "```bash\n" + "\n".join(soak_command(s) for s in soaks) + "\n```\n"
+
+
+__all__ = ["ROWS", "render_soak_commands", "render_soak_table", "soak_command", "soaks_note"]

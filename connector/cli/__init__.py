@@ -1,7 +1,9 @@
-"""The ``mooncake-lookout`` command: ``demo``, ``bench``, ``serve``, ``doctor`` and ``advise``; and the doc generator.
+"""The ``mooncake-lookout`` command: ``demo``, ``bench``, ``serve``, ``doctor``, ``advise`` and ``size``; and the doc
+generator.
 
 Each subcommand lives in its own module (:mod:`.demo`, :mod:`.bench`, :mod:`.serve`, :mod:`.doctor`,
-:mod:`.advise` with :mod:`.advise_prom` reading Prometheus and :mod:`.advise_rules` deciding); this
+:mod:`.advise` with :mod:`.advise_prom` reading Prometheus and :mod:`.advise_rules` deciding, :mod:`.size` with
+:mod:`.size_prom`); this
 one only wires them into one ``argparse`` parser. Heavy imports (vLLM, Mooncake) happen inside the
 subcommands, so ``--help`` answers at once. :mod:`.docs` regenerates (or ``--check``s) every generated
 block of the documentation.
@@ -18,6 +20,7 @@ from mooncake_lookout.connector.cli.bench import add_bench_parser
 from mooncake_lookout.connector.cli.demo import add_demo_parser
 from mooncake_lookout.connector.cli.doctor import add_doctor_parser
 from mooncake_lookout.connector.cli.serve import add_serve_parser
+from mooncake_lookout.connector.cli.size import add_size_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,12 +28,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mooncake-lookout",
                                      description="A hardened, observable prefix-cache lookup path for vLLM's "
                                                  "Mooncake store connector.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,serve,doctor,advise}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,serve,doctor,advise,size}")
     add_demo_parser(sub)
     add_bench_parser(sub)
     add_serve_parser(sub)
     add_doctor_parser(sub)
     add_advise_parser(sub)
+    add_size_parser(sub)
     return parser
 
 

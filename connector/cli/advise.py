@@ -88,7 +88,8 @@ def report(f: Figures, now: InForce, c: Costs, advice: list[Advice]) -> str:
                      "mix them; re-run with a --window that starts after the change")
     lines += [
         f"traffic: {c.lookups:.0f} lookups in {c.steps:.0f} scheduler steps ({c.lookups_per_step:.2f} per step), "
-        f"step interval {_ms(c.step_s)}",
+        f"step interval {_ms(c.step_s)}, of which {_ms(c.base_step_s)} without lookups (what auto's cap is a "
+        "share of)",
         f"cost per step: {_ms(c.blocked_per_step_s)} inside the lookup path ({c.blocked_share:.1%} of the step; "
         f"one call p99 {_ms(f.blocked_call_p99_s)})"
         + (f"; wait budget in force {_ms(f.budget_now_s)} (window max {_ms(f.budget_max_s)})"

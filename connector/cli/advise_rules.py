@@ -187,7 +187,7 @@ def decide_async(f: Figures, c: Costs, now: InForce) -> Advice:
                "blocked_share": round(c.blocked_share, 4), "failing_share": round(c.failing_share, 4)}
     if now.lookup_async:
         return Advice("lookup_async", True, True, f"async keeps the scheduler free: it spent "
-                      f"{_ms(c.blocked_per_step_s)} of each {_ms(c.step_s)} step ({c.blocked_share:.1%}) in "
+                      f"{_ms(c.blocked_per_step_s)} of each {_ms(c.step_s)} step interval ({c.blocked_share:.1%}) in "
                       f"lookups; requests waited {c.deferred_mean:.2f} steps for answers", figures)
     if c.failing:
         return Advice("lookup_async", True, False, f"the store failed or stalled ({c.failing_share:.1%} of lookups "
@@ -196,7 +196,7 @@ def decide_async(f: Figures, c: Costs, now: InForce) -> Advice:
                       f"({now.timeout_ms:g} ms)", figures)
     if c.blocked_share >= SYNC_SHARE:
         return Advice("lookup_async", True, False, f"sync blocks the scheduler {_ms(c.blocked_per_step_s)} of "
-                      f"every {_ms(c.step_s)} step ({c.blocked_share:.1%} >= {SYNC_SHARE:.0%}): every request "
+                      f"every {_ms(c.step_s)} step interval ({c.blocked_share:.1%} >= {SYNC_SHARE:.0%}): every request "
                       "pays it; async frees that time and defers only the requests whose answer is late", figures)
     return Advice("lookup_async", False, False, f"sync costs {c.blocked_share:.1%} of the step (< {SYNC_SHARE:.0%}): "
                   "lookups are rare or fast, async would defer each request a step for little gain", figures)
@@ -228,11 +228,11 @@ def decide_wait(f: Figures, c: Costs, now: InForce, use_async: bool) -> Advice:
     saved = f" (now {c.deferred_mean:.2f} steps, {_ms(c.deferral_delay_s)} per request)" if c.deferred_mean else ""
     if need <= cap:
         return Advice("lookup_wait_us", "auto", current, f"the round trip's p90 {_ms(c.rpc_p90_s)} + "
-                      f"{_ms(MARGIN_S)} fits in {now.auto_share:g} x the {_ms(c.base_step_s)} step ({_ms(cap)}): "
-                      f"auto waits about that long and uses most answers in the step they were asked for"
+                      f"{_ms(MARGIN_S)} fits in {now.auto_share:g} x the {_ms(c.base_step_s)} step without lookups "
+                      f"({_ms(cap)}): auto waits about that long and uses most answers in the step they were asked for"
                       f"{saved}", figures)
-    too_long = (f"{now.auto_share:g} x the {_ms(c.base_step_s)} step ({_ms(cap)}): a wait that short would mostly "
-                "run out, adding blocked time without saving deferrals; defer at once")
+    too_long = (f"{now.auto_share:g} x the {_ms(c.base_step_s)} step without lookups ({_ms(cap)}): a wait that short "
+                "would mostly run out, adding blocked time without saving deferrals; defer at once")
     if now.lookup_async is False:  # a sync call waits for its reply: the round trip is measured exactly
         return Advice("lookup_wait_us", 0, current, f"the round trip's p90 {_ms(c.rpc_p90_s)} + {_ms(MARGIN_S)} "
                       f"exceeds {too_long}", figures)
@@ -240,7 +240,7 @@ def decide_wait(f: Figures, c: Costs, now: InForce, use_async: bool) -> Advice:
     if c.deferred_p90 is not None and c.deferred_p90 <= 1:
         return Advice("lookup_wait_us", "auto", current, f"answers are there by the next step (deferred steps "
                       f"p90 {c.deferred_p90:.1f}, mean {c.deferred_mean:.2f}, {_ms(c.deferral_delay_s)} per request): "
-                      f"the round trip is under a {_ms(c.step_s)} step (read "
+                      f"the round trip is under the {_ms(c.step_s)} step interval (read "
                       f"here as p90 {_ms(c.rpc_p90_s)}, since an answer not waited for is read a step later); "
                       f"auto measures it while waiting, waits about it if it fits in {_ms(cap)} and stops "
                       "waiting if not", figures)

@@ -11,15 +11,22 @@ from mooncake_lookout.connector.transport.names import PIPELINED, TRANSPORTS
 
 def run_bench_command(args: argparse.Namespace) -> int:
     """``bench``: run the scenarios, write JSON, table and plots to ``--out``; or measure a deployment."""
+    if args.only and (args.master or args.server):
+        raise SystemExit("bench: --only goes without --master and --server")
     if args.master or args.server:
         return _run_remote(args)
     mine = [flag for flag, value in (("--master-http", args.master_http), ("--model", args.model),
                                      ("--prompts", args.prompts), ("--sample-keys", args.sample_keys)) if value]
     if mine:
         raise SystemExit(f"bench: {', '.join(mine)} only go with --master or --server")
-    from mooncake_lookout.connector.bench.run import run_bench
+    from mooncake_lookout.connector.bench.run import run_bench, selected
 
-    results = run_bench(args.out, quick=args.quick)
+    only = [name.strip() for name in args.only.split(",") if name.strip()] if args.only else None
+    try:
+        selected(only)
+    except ValueError as e:
+        raise SystemExit(f"bench --only: {e}") from None
+    results = run_bench(args.out, quick=args.quick, only=only)
     print(f"wrote {args.out}/bench.json, {args.out}/bench.txt and {len(results['plots'])} plots "
           f"in {results['seconds']:.0f} s")
     return 0
@@ -55,7 +62,10 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                                           "Mooncake master of its own; see docs/tuning.md for how to read them. "
                                           "With --master and/or --server: your own store or lookup server, "
                                           "measured read-only (nothing is written or wiped).")
-    p.add_argument("--quick", action="store_true", help="smaller runs (well under 2 minutes)")
+    p.add_argument("--quick", action="store_true", help="smaller runs (a few minutes)")
+    p.add_argument("--only", metavar="IDS", default="",
+                   help="run only these scenarios, comma-separated, among a, a4, backends, b, c, d, e, f, f-load, g, "
+                        "h (e.g. --only h or --only f,f-load); the targets they decide are judged")
     p.add_argument("--out", default="out", help="folder for bench.json, bench.txt and *.png (default out)")
     mine = p.add_argument_group("your own deployment (read-only: existence checks only)")
     mine.add_argument("--master", metavar="HOST:PORT", help="your Mooncake master's RPC address")

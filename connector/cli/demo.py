@@ -1,17 +1,19 @@
-"""``mooncake-lookout demo``: the lookup path at work on any machine, in well under a minute (most of it starting vLLM).
+"""``mooncake-lookout demo``: the lookup path at work on any machine, in about a minute (most of it starting vLLM).
 
 It starts a real Mooncake master on 127.0.0.1, fills it with cached prefixes of a shared-prefix
-workload, starts the lookup servers (in a child process, as in vLLM's worker) and vLLM's real
-scheduler with our connector, and feeds it requests for a bounded time in three modes, one after
-another on the same master and workload: ``sync`` (the scheduler blocks for each lookup), ``async``
-(it defers until the answer is there) and ``budget`` (async, waiting up to ``--budget-us`` for an
-almost-ready answer). Lookups start at admission. ``/metrics`` is served on 127.0.0.1 meanwhile; the
-run ends with a table of the three modes. ``--workload multi-turn`` feeds conversations whose prompt
-grows turn by turn instead (our prefix cache asks the store only for new blocks) and the table adds the
-prefix cache's figures. ``--keep-running`` leaves ``/metrics`` up for a local Prometheus/Grafana until
-Ctrl-C. ``--mode`` runs one mode for the whole duration (a clean series for ``mooncake-lookout
-advise`` to read); ``--pause-master`` freezes the master for a while in the middle of each mode's run,
-to show what a stalled store costs. Every process it starts is stopped by pid on exit, Ctrl-C included.
+workload, starts the lookup servers (in a child process, as in vLLM's worker: vLLM's own
+``LookupKeyServer`` and ours) and vLLM's real scheduler, and feeds it requests for a bounded time in five
+modes, one after another on the same master and workload: vLLM's own client blocking (``upstream sync``)
+and async (``upstream async``), then ours blocking (``ours sync``), async (``ours async``) and async with
+the wait budget ``auto`` (``ours auto``). Lookups start at admission. ``/metrics`` (our client's figures)
+is served on 127.0.0.1 meanwhile; the run ends with a table of the modes and two lines reading it.
+``--workload multi-turn`` feeds conversations whose prompt grows turn by turn instead (our prefix cache
+asks the store only for new blocks) and the table adds the prefix cache's figures. ``--keep-running``
+leaves ``/metrics`` up for a local Prometheus/Grafana until Ctrl-C. ``--mode`` runs one mode for the
+whole duration (a clean series for ``mooncake-lookout advise`` to read); ``--pause-master`` freezes the
+master for a while in the middle of each mode's run, to show what a stalled store costs. Known harmless
+start-up lines of Mooncake and vLLM are held back (``--verbose`` shows them). Every process it starts is
+stopped by pid on exit, Ctrl-C included.
 
 Exit codes: 0 when the demo finished (also when ``--keep-running`` is ended by SIGINT/SIGTERM),
 130 when interrupted before the table, 2 when it could not start (the message says why).
@@ -27,9 +29,18 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-DURATIONS = {"small": 4.5, "default": 9.0}
-MODE_NAMES = ("sync", "async", "budget")
+DURATIONS = {"small": 5.0, "default": 10.0}
+# --mode names -> (client is ours, lookup_* settings); "all" runs the first five, "budget" only when asked.
+MODES: dict[str, tuple[bool, dict[str, Any]]] = {
+    "upstream-sync": (False, {"lookup_async": False}),
+    "upstream-async": (False, {"lookup_async": True}),
+    "sync": (True, {"lookup_async": False}),
+    "async": (True, {"lookup_async": True}),
+    "auto": (True, {"lookup_async": True, "lookup_wait_us": "auto"}),
+    "budget": (True, {"lookup_async": True}),  # lookup_wait_us from --budget-us
+}
 ALL_MODES = "all"
+DEFAULT_MODES = ("upstream-sync", "upstream-async", "sync", "async", "auto")
 SHARED_PREFIX, MULTI_TURN = "shared-prefix", "multi-turn"
 # Per workload: blocks of a prompt (multi-turn: of its context), and new requests per step.
 PROMPT_BLOCKS = {SHARED_PREFIX: 8, MULTI_TURN: 2048}
@@ -37,7 +48,7 @@ RATES = {SHARED_PREFIX: 4, MULTI_TURN: 1}
 
 
 def parse_duration(text: str) -> float:
-    """Seconds of load in all (split across the modes run): a number, ``small`` (4.5) or ``default`` (9)."""
+    """Seconds of load in all (split across the modes run): a number, ``small`` (5) or ``default`` (10)."""
     if text in DURATIONS:
         return DURATIONS[text]
     try:
@@ -77,9 +88,11 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("demo", help="run the lookup path on a real master and vLLM's scheduler",
                               description=__doc__.split("\n\n")[1])
     p.add_argument("--duration", type=parse_duration, default=DURATIONS["default"], metavar="SECONDS",
-                   help="seconds of load in all, split across the modes run; or 'small' (4.5) / 'default' (9)")
-    p.add_argument("--mode", choices=(*MODE_NAMES, ALL_MODES), default=ALL_MODES,
-                   help="run only this lookup mode, for the whole duration (default: all three in turn)")
+                   help="seconds of load in all, split across the modes run; or 'small' (5) / 'default' (10)")
+    p.add_argument("--mode", choices=(*MODES, ALL_MODES), default=ALL_MODES,
+                   help="run only this lookup mode, for the whole duration: upstream-sync, upstream-async (vLLM's "
+                        "own client), sync, async, auto or budget (ours; budget waits --budget-us). Default: the "
+                        "first five in turn")
     p.add_argument("--pause-master", type=parse_pause, default=0.0, metavar="SECONDS",
                    help="freeze the Mooncake master (SIGSTOP) for SECONDS in the middle of each mode's run: "
                         "a stalled store (default 0: never)")
@@ -105,11 +118,14 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--conversations", type=_positive, default=8, metavar="N",
                    help=f"{MULTI_TURN}: conversations going on at once, their turns taken in turn (default 8)")
     p.add_argument("--budget-us", type=int, default=200, metavar="US",
-                   help="lookup_wait_us of the budget mode (default 200)")
+                   help="lookup_wait_us of --mode budget (default 200)")
     p.add_argument("--model-step-ms", type=float, default=1.5, metavar="MS",
                    help="time a model step takes, between two scheduler steps (default 1.5)")
     p.add_argument("--keep-running", action="store_true",
                    help="after the table, keep /metrics up until Ctrl-C (for a local Prometheus/Grafana)")
+    p.add_argument("--verbose", action="store_true",
+                   help="show every log line, the known harmless start-up lines of Mooncake and vLLM included "
+                        "(docs/troubleshooting.md)")
     p.set_defaults(func=run_demo)
     return p
 
@@ -142,14 +158,44 @@ class Progress:
             self.out.flush()
 
 
+def mode_label(name: str, budget_us: int) -> str:
+    """The table's label of ``--mode`` name ``name``: ``upstream sync``, ``ours auto``, ``ours budget 200us``."""
+    if name.startswith("upstream-"):
+        return name.replace("-", " ")
+    return f"ours budget {budget_us}us" if name == "budget" else f"ours {name}"
+
+
 def demo_modes(budget_us: int, only: str = ALL_MODES) -> list[Any]:
-    """The modes the demo compares (all three, or ``only`` one), all with our client and the pipelined transport."""
+    """The modes the demo runs: the first five of :data:`MODES` (vLLM's client and ours), or ``only`` one.
+
+    They are bench scenario (c)'s modes, run by the same code (:func:`~mooncake_lookout.connector.bench.sched.
+    run_mode`): upstream's rows drive vLLM's own ``MooncakeStoreConnector`` and ``LookupKeyClient``."""
     from mooncake_lookout.connector.bench.sched import mode
 
-    modes = [mode("sync", True, lookup_async=False),
-             mode("async", True, lookup_async=True),
-             mode("budget", True, lookup_async=True, lookup_wait_us=budget_us)]
-    return [m for m in modes if only in (ALL_MODES, m.label)]
+    names = DEFAULT_MODES if only == ALL_MODES else (only,)
+    out = []
+    for name in names:
+        ours, config = MODES[name]
+        if name == "budget":
+            config = {**config, "lookup_wait_us": budget_us}
+        out.append(mode(mode_label(name, budget_us), ours, **config))
+    return out
+
+
+class StepClock:
+    """Seconds since a mode's first scheduler step: what the progress line and the master's pause count.
+
+    The scheduler's start-up (seconds, the first time) happens before the first step and is not counted."""
+
+    def __init__(self) -> None:
+        self._first: float | None = None
+
+    def tick(self) -> float:
+        """Seconds since the first tick (0.0 at the first)."""
+        now = time.monotonic()
+        if self._first is None:
+            self._first = now
+        return now - self._first
 
 
 class MasterPause:
@@ -187,45 +233,6 @@ class MasterPause:
             self.say(f"master pid {self.master.pid} resumed")
 
 
-def format_table(runs: list[Any], budget_us: int, *, prefix_cache: bool = False) -> str:
-    """The demo's closing table: one row per mode (``prefix_cache``: with the prefix cache's figures)."""
-    head = (f"{'mode':13} {'requests':>8} {'blocked/step':>12} {'call p99':>9} {'deferred/req':>12} "
-            f"{'lookup p50':>10} {'p90':>7} {'p99':>7} {'hit ratio':>9}")
-    units = (f"{'':13} {'':>8} {'(us)':>12} {'(us)':>9} {'(steps)':>12} {'(ms)':>10} {'(ms)':>7} "
-             f"{'(ms)':>7} {'(store)':>9}")
-    if prefix_cache:
-        head += f" {'known':>6} {'keys/lookup':>11} {'no-RTT':>6}"
-        units += f" {'(share)':>6} {'(store)':>11} {'(answers)':>6}"
-    lines = [head, units]
-    for r in runs:
-        d = r.as_dict()
-        delay = d["answer_delay_us"]
-        ratio = r.store_hit_ratio
-        label = r.label + (f" {budget_us}us" if r.label == "budget" else "")
-        row = (f"{label:13} {r.requests:8d} {d['blocked_per_step_us'].get('mean', 0):12.1f} "
-               f"{d['call_us'].get('p99', 0):9.1f} {r.mean_deferred_steps:12.2f} "
-               f"{delay.get('p50', 0) / 1e3:10.2f} {delay.get('p90', 0) / 1e3:7.2f} "
-               f"{delay.get('p99', 0) / 1e3:7.2f} {(ratio if ratio is not None else 0):9.2f}")
-        if prefix_cache:
-            keys = r.keys_per_lookup
-            row += (f" {(r.known_share or 0):6.3f} {(keys if keys is not None else float('nan')):11.1f} "
-                    f"{r.cache_answers:6d}")
-        lines.append(row)
-    lines.append("blocked/step: time per scheduler step inside lookup calls; deferred/req: steps a request "
-                 "waited for its answer; lookup: arrival to answer used.")
-    if prefix_cache:
-        lines.append("known: share of the blocks that could count which the prefix cache knew present (not asked "
-                     "of the store); keys/lookup: store keys the server sent per lookup, counted at its store "
-                     "client (marker key included); no-RTT: lookups answered with no round trip "
-                     "(lookup_prefix_cache_confirm_ms > 0 only).")
-    for r in runs:
-        failed = {o: n for o, n in sorted(r.outcomes.items()) if o not in ("hit", "miss", "discarded")}
-        if failed:
-            lines.append(f"  {r.label}: lookups that ended without the store's answer: "
-                         + ", ".join(f"{n} {o}" for o, n in failed.items()))
-    return "\n".join(lines)
-
-
 def _install_stop_handlers(stop: threading.Event) -> Callable[[], None]:
     """SIGINT/SIGTERM set ``stop`` (work ends at the next step; finally blocks clean up); returns a restorer."""
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -241,11 +248,14 @@ def _install_stop_handlers(stop: threading.Event) -> Callable[[], None]:
 
 def run_demo(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Run the demo, printing to ``out`` (default stdout); returns the exit code (see the module doc)."""
+    from mooncake_lookout.connector.rigs.console import Console
+
     out = out if out is not None else sys.stdout
+    console = Console(verbose=args.verbose, level="WARNING").install()  # before vLLM is imported
     stop = threading.Event()
     restore = _install_stop_handlers(stop)
     try:
-        return _run(args, stop, out)
+        return _run(args, stop, out, console)
     finally:
         restore()
 
@@ -267,9 +277,10 @@ def _workload(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str]:
             "finds the previous one saved")
 
 
-def _run(args: argparse.Namespace, stop: threading.Event, out: TextIO) -> int:
+def _run(args: argparse.Namespace, stop: threading.Event, out: TextIO, console: Any) -> int:
     from mooncake_lookout.connector.bench.rig import Rig
     from mooncake_lookout.connector.bench.sched import run_mode
+    from mooncake_lookout.connector.cli.demo_table import format_table
     from mooncake_lookout.connector.config import LookupConfig
     from mooncake_lookout.connector.events import BackgroundObserver
     from mooncake_lookout.connector.rigs.master import MasterError
@@ -290,7 +301,10 @@ def _run(args: argparse.Namespace, stop: threading.Event, out: TextIO) -> int:
         return 2
     try:
         say(f"metrics: {endpoint.url}")
-        say("starting a Mooncake master, the lookup servers and vLLM's scheduler (first start ~15-30 s) ...")
+        modes = demo_modes(args.budget_us, args.mode)
+        upstream = any(not m.ours for m in modes)
+        say("starting a Mooncake master, the lookup servers" + (" (vLLM's and ours)" if upstream else "")
+            + " and vLLM's scheduler (first start ~15-40 s) ...")
         multi_turn = args.workload == MULTI_TURN
         try:
             workload, sizing, what = _workload(args)
@@ -298,10 +312,12 @@ def _run(args: argparse.Namespace, stop: threading.Event, out: TextIO) -> int:
             say(f"mooncake-lookout demo: {exc}")
             return 2
         rate = args.rate or RATES[args.workload]
+        console.adopt_torch()
         try:
             # Multi-turn: our server keeps the store's epoch (as inside vLLM), so the prefix cache is on; the
             # rig's master leases keys for Mooncake's default 10 s, twice lookup_answer_ttl_ms.
-            rig = Rig(namespace="demo", keep_epoch=multi_turn, upstream_server=False).start()
+            with console.native():  # Mooncake's client logs its set-up from C++
+                rig = Rig(namespace="demo", keep_epoch=multi_turn, upstream_server=upstream).start()
         except (MasterError, RuntimeError) as exc:
             say(f"mooncake-lookout demo: {exc}")
             return 2
@@ -320,39 +336,44 @@ def _run(args: argparse.Namespace, stop: threading.Event, out: TextIO) -> int:
                 progress.done()
                 say(text)
 
-            modes = demo_modes(args.budget_us, args.mode)
             per_mode = args.duration / len(modes)
             for m in modes:
                 if stop.is_set():
                     break
-                sink.set_config(LookupConfig(lookup_transport=m.transport, **m.extra))
-                t0 = time.monotonic()
+                if m.ours:  # /metrics carries our client's figures; upstream's client reports none
+                    sink.set_config(LookupConfig(lookup_transport=m.transport, **m.extra))
+                clock = StepClock()
                 pause = MasterPause(rig.master, max(0.0, (per_mode - args.pause_master) / 2), args.pause_master,
                                     announce)
 
-                def on_step(run: Any, label: str = m.label, t0: float = t0, pause: MasterPause = pause) -> None:
-                    pause.at(time.monotonic() - t0)
-                    progress.show(f"[{label:6}] {time.monotonic() - t0:5.1f}/{per_mode:.1f} s  "
-                                  f"steps {run.steps:6d}  lookup time/step "
-                                  f"{1e6 * sum(run.blocked_per_step) / max(1, run.steps):8.1f} us")
+                def on_step(run: Any, label: str = m.label, clock: StepClock = clock,
+                            pause: MasterPause = pause) -> None:
+                    elapsed = clock.tick()
+                    pause.at(elapsed)
+                    progress.show(f"[{label:18}] {elapsed:4.1f}/{per_mode:.1f} s  steps {run.steps:6d}  "
+                                  f"lookup time/step {1e6 * sum(run.blocked_per_step) / max(1, run.steps):8.1f} us",
+                                  force=run.steps == 1)  # each mode's first step: the clock starts there
 
                 try:
                     keys_before = rig.servers.store_counts()[1]
                     runs.append(run_mode(rig, workload, m, arrivals_per_step=rate, steps=None,
                                          seconds=per_mode, model_step_s=args.model_step_ms / 1e3,
-                                         observers=[telemetry], on_step=on_step, should_stop=stop.is_set,
-                                         drain_s=2.0, **sizing))
+                                         observers=[telemetry] if m.ours else [], on_step=on_step,
+                                         should_stop=stop.is_set, drain_s=2.0, **sizing))
                     runs[-1].store_keys = rig.servers.store_counts()[1] - keys_before
                 finally:
                     pause.resume()
-                progress.show(f"[{m.label:6}] done: {runs[-1].requests} requests in {runs[-1].steps} steps",
+                progress.show(f"[{m.label:18}] done: {runs[-1].requests} requests in {runs[-1].steps} steps",
                               force=True)
                 progress.done()
         finally:
             rig.close()
         if runs:
             say("")
-            say(format_table(runs, args.budget_us, prefix_cache=multi_turn))
+            say(format_table(runs, prefix_cache=multi_turn))
+        note = console.summary()
+        if note:
+            say(note)
         if stop.is_set():
             say("interrupted; every process stopped")
             return 130
@@ -364,5 +385,5 @@ def _run(args: argparse.Namespace, stop: threading.Event, out: TextIO) -> int:
         endpoint.stop()
 
 
-__all__ = ["ALL_MODES", "DURATIONS", "MULTI_TURN", "MasterPause", "Progress", "SHARED_PREFIX", "add_demo_parser",
-           "demo_modes", "format_table", "parse_duration", "parse_pause", "run_demo"]
+__all__ = ["ALL_MODES", "DEFAULT_MODES", "DURATIONS", "MODES", "MULTI_TURN", "MasterPause", "Progress", "SHARED_PREFIX",
+           "StepClock", "add_demo_parser", "demo_modes", "mode_label", "parse_duration", "parse_pause", "run_demo"]

@@ -3,8 +3,11 @@
 A generated block sits between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` in a Markdown file;
 this module rewrites each (or, with ``--check``, lists the stale ones and exits 1):
 
-* ``config-table`` (README): the ``lookup_*`` keys, from :data:`~mooncake_lookout.connector.config.KEYS`;
-* ``metrics-table`` (README, docs/metrics.md): the metric families, from the catalogue;
+* ``config-table`` (docs/configuration.md): the ``lookup_*`` keys, from
+  :data:`~mooncake_lookout.connector.config.KEYS`;
+* ``metrics-table`` (docs/metrics.md): the metric families, from the catalogue;
+* ``known-lines`` (docs/troubleshooting.md): the start-up lines ``demo`` and ``serve`` hold back as harmless, from
+  :data:`~mooncake_lookout.connector.rigs.console.KNOWN_LINES`;
 * ``values-table`` (docs/helm.md): the chart's values, from ``helm/mooncake-lookout/values.schema.json``;
 * ``package-graph`` (docs/architecture.md): a Mermaid picture of which package imports which, read from
   the real imports of the source;
@@ -14,21 +17,24 @@ this module rewrites each (or, with ``--check``, lists the stale ones and exits 
   anything, from the ``demo`` subcommand's parser;
 * the measured figures, from the committed bench runs ``docs/bench/run-N.json`` (one or more ``bench.json``
   files, :mod:`~mooncake_lookout.connector.bench.records`, rendered by
-  :mod:`~mooncake_lookout.connector.bench.doc_tables`): ``bench-targets`` and ``bench-guarantees`` (README),
-  ``bench-source``, ``bench-modes`` and ``bench-figures`` (docs/tuning.md), ``bench-runs``, ``bench-targets``,
-  ``bench-targets-per-run``, ``bench-scenarios`` and ``bench-reports`` (docs/bench-results.md). To publish new
-  runs: ``mooncake-lookout bench --out out-K``, copy each ``out-K/bench.json`` to ``docs/bench/run-K.json``
-  (remove runs that are not replaced), then run this module;
-* ``demo-output`` (README): the closing table of ``docs/bench/demo.txt``, the committed stdout of
-  ``mooncake-lookout demo --duration small``;
-* ``soak-summary`` (README) and ``soak-table`` (docs/reliability.md): from the committed soaks
-  ``docs/bench/soak-T.json``, what ``python -m mooncake_lookout.connector.rigs.soak --transport T --json``
-  printed (:mod:`~mooncake_lookout.connector.bench.soak_tables`);
+  :mod:`~mooncake_lookout.connector.bench.doc_tables`): ``bench-guarantees`` (docs/reliability.md),
+  ``bench-source``, ``bench-modes``, ``bench-figures`` and ``bench-multi-turn`` (docs/tuning.md), ``bench-runs``,
+  ``bench-targets``, ``bench-targets-per-run``, ``bench-scenarios``, ``bench-reports`` and ``bench-fleet``
+  (docs/bench-results.md), ``bench-sizing`` (docs/operations.md) and ``bench-fleet-helm`` (docs/helm.md), the last
+  three by :mod:`~mooncake_lookout.connector.bench.doc_fleet`.
+  To publish new runs: ``mooncake-lookout bench --out out-K``, copy each ``out-K/bench.json`` to
+  ``docs/bench/run-K.json`` (remove runs that are not replaced), then run this module;
+* ``demo-output`` and ``first-run`` (README): what a newcomer sees and pays, from ``docs/bench/demo.txt`` and
+  ``docs/bench/first-run.json``; ``sink-cost`` (docs/metrics.md), from ``docs/bench/sink-cost.json`` (each recorded
+  by one command of :mod:`.record`);
+* ``soak-table`` and ``soak-commands`` (docs/reliability.md): from the committed soaks ``docs/bench/soak-T.json``, what
+  ``python -m mooncake_lookout.connector.rigs.soak --transport T --json`` printed
+  (:mod:`~mooncake_lookout.connector.bench.soak_tables`).
 * ``server-bounds`` (docs/security.md): the lookup server's bounds and their ``serve`` flags, from
   :class:`~mooncake_lookout.connector.server.limits.Limits`;
 * ``bench-security-curve`` and ``bench-security-flood`` (docs/security.md): from the committed security run
-  ``docs/bench/security.json``, what ``python -m mooncake_lookout.connector.bench.security`` wrote
-  (:mod:`~mooncake_lookout.connector.bench.security_tables`).
+  ``docs/bench/security.json`` (``record security``: what ``python -m mooncake_lookout.connector.bench.security``
+  wrote, :mod:`~mooncake_lookout.connector.bench.security_tables`).
 
 Tests run ``--check``, so a block that drifts from its source fails the suite.
 """
@@ -45,8 +51,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mooncake_lookout.connector.bench import doc_tables, security_tables, soak_tables
+from mooncake_lookout.connector.bench import doc_fleet, doc_tables, security_tables, soak_tables
 from mooncake_lookout.connector.bench.records import Run, load_demo, load_runs, load_soaks
+from mooncake_lookout.connector.cli import record
 from mooncake_lookout.connector.config import KEYS
 from mooncake_lookout.connector.server.limits import Limits, flag_of
 from mooncake_lookout.connector.vllm_version import supported_range
@@ -157,6 +164,15 @@ def render_server_bounds() -> str:
     rows = ["| `serve` flag | default | what it bounds |", "| --- | --- | --- |"]
     for f in dataclasses.fields(Limits):
         rows.append(f"| `{flag_of(f.name)}` | {f.default:,} | {f.metadata['help']} |")
+
+
+def render_known_lines() -> str:
+    """The start-up lines the tools hold back as harmless, from :data:`~mooncake_lookout.connector.rigs.console.
+    KNOWN_LINES`: what the line contains, who prints it, why it is no fault."""
+    from mooncake_lookout.connector.rigs.console import KNOWN_LINES
+
+    rows = ["| a line containing | printed by | why it is no fault |", "| --- | --- | --- |"]
+    rows += [f"| `{k.text}` | {k.source} | {k.why} |" for k in KNOWN_LINES]
     return "\n".join(rows) + "\n"
 
 
@@ -234,10 +250,11 @@ def render_package_graph(edges: set[tuple[str, str]] | None = None) -> str:
 DEMO_SCRIPT_INTRO = """\
 usage: bash scripts/demo.sh [FLAGS]
 
-Installs everything on its first run (bash scripts/setup.sh: the Debian packages as root, a .venv with vLLM's
-CPU recipe and the Mooncake wheel, helm; later runs skip what is done), then runs `mooncake-lookout demo`:
-a real Mooncake master on 127.0.0.1, vLLM's real V1 scheduler with this connector, lookups in three modes
-(sync, async, budget), /metrics on 127.0.0.1 while it runs, and a table of the three modes at the end.
+Installs what the demo needs on its first run (bash scripts/setup.sh --demo: python3-venv and libibverbs1 as
+root, a .venv with vLLM's CPU recipe, the Mooncake wheel and this package; no test tools; later runs skip what
+is done), then runs `mooncake-lookout demo`: a real Mooncake master on 127.0.0.1, vLLM's real V1 scheduler, its
+own lookup client and ours in five modes (upstream sync and async, ours sync, async and auto), /metrics on
+127.0.0.1 while it runs, and a table of the modes at the end with two lines reading it.
 --help prints this and installs nothing.
 """
 
@@ -290,17 +307,20 @@ def _bench(render: Callable[[list[Run]], str]) -> Callable[[Path], str]:
 
 
 BLOCKS: tuple[Block, ...] = (
-    Block("README.md", "config-table", lambda root: render_config_table()),
-    Block("README.md", "metrics-table", lambda root: render_metrics_table()),
+    Block("docs/configuration.md", "config-table", lambda root: render_config_table()),
     Block("docs/metrics.md", "metrics-table", lambda root: render_metrics_table()),
+    Block("docs/troubleshooting.md", "known-lines", lambda root: render_known_lines()),
     Block("docs/helm.md", "values-table",
           lambda root: render_values_table(json.loads((root / VALUES_SCHEMA).read_text()))),
     Block("docs/architecture.md", "package-graph", lambda root: render_package_graph()),
     Block("README.md", "vllm-versions", lambda root: render_vllm_versions()),
     Block("scripts/demo-help.txt", "", lambda root: render_demo_help()),
     Block("README.md", "demo-output", lambda root: doc_tables.render_demo(load_demo(root))),
-    Block("README.md", "bench-targets", _bench(doc_tables.render_targets_summary)),
-    Block("README.md", "bench-guarantees", _bench(doc_tables.render_guarantees)),
+    Block("README.md", "first-run",
+          lambda root: record.render_first_run(record.load_recorded(root, record.FIRST_RUN_FILE))),
+    Block("docs/metrics.md", "sink-cost",
+          lambda root: record.render_sink_cost(record.load_recorded(root, record.SINK_COST_FILE))),
+    Block("docs/reliability.md", "bench-guarantees", _bench(doc_tables.render_guarantees)),
     Block("docs/tuning.md", "bench-source", _bench(lambda runs: doc_tables.runs_note(runs) + "\n")),
     Block("docs/tuning.md", "bench-modes", _bench(doc_tables.render_modes)),
     Block("docs/tuning.md", "bench-figures", _bench(doc_tables.render_tuning_figures)),
@@ -310,13 +330,16 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/bench-results.md", "bench-targets-per-run", _bench(doc_tables.render_targets_per_run)),
     Block("docs/bench-results.md", "bench-scenarios", _bench(doc_tables.render_scenarios)),
     Block("docs/bench-results.md", "bench-reports", _bench(doc_tables.render_reports)),
-    Block("README.md", "soak-summary", lambda root: soak_tables.render_soak_summary(load_soaks(root))),
+    Block("docs/bench-results.md", "bench-fleet", _bench(doc_fleet.render_fleet)),
+    Block("docs/operations.md", "bench-sizing", _bench(doc_fleet.render_sizing)),
+    Block("docs/helm.md", "bench-fleet-helm", _bench(doc_fleet.render_helm_fleet)),
     Block("docs/reliability.md", "soak-table", lambda root: soak_tables.render_soak_table(load_soaks(root))),
     Block("docs/security.md", "server-bounds", lambda root: render_server_bounds()),
     Block("docs/security.md", "bench-security-curve",
           lambda root: security_tables.render_security_curve(security_tables.load_security(root))),
     Block("docs/security.md", "bench-security-flood",
           lambda root: security_tables.render_security_flood(security_tables.load_security(root))),
+    Block("docs/reliability.md", "soak-commands", lambda root: soak_tables.render_soak_commands(load_soaks(root))),
 )
 
 
@@ -357,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = ["BLOCKS", "Block", "extract", "main", "package_edges", "render_config_table", "render_demo_help",
-           "render_flags", "render_metrics_table", "render_package_graph", "render_server_bounds",
+           "render_flags", "render_known_lines", "render_metrics_table", "render_package_graph", "render_server_bounds",
            "render_values_table", "render_vllm_versions", "schema_leaves", "splice", "stale_blocks"]
 
 if __name__ == "__main__":

@@ -16,11 +16,14 @@ Exit code 0 when every check passed, 1 when one failed, 2 when there was nothing
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import statistics
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -59,15 +62,65 @@ def check_config(text: str) -> tuple[Finding, LookupConfig | None]:
         config = LookupConfig.from_extra_config(extra)
     except ConfigError as exc:
         return Finding("config", False, str(exc)), None
+    wait = config.lookup_wait_us if isinstance(config.lookup_wait_us, str) else f"{config.lookup_wait_us} us"
     return Finding("config", True, f"valid; mode {config.mode}, transport {config.lookup_transport}, "
-                                   f"deadline {config.lookup_timeout_ms:g} ms, wait {config.lookup_wait_us} us"), config
+                                   f"deadline {config.lookup_timeout_ms:g} ms, wait {wait}"), config
+
+
+class TransportNotes(logging.Handler):
+    """Holds what the transports log during a probe, so the report says it once, in its verdict.
+
+    A probe of a silent server makes the client rebuild its socket (as it would inside vLLM) and log it; here
+    those lines would only repeat the verdict, out of order (stderr before stdout). They become a count in the
+    finding, and any other transport warning is quoted in it."""
+
+    LOGGER = "mooncake_lookout.connector.transport"
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.rebuilds = 0
+        self.other: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "rebuilding the socket" in message:
+            self.rebuilds += 1
+        elif message not in self.other:
+            self.other.append(message)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[TransportNotes]:
+        """Collect the transports' lines in the block instead of printing them."""
+        logger = logging.getLogger(self.LOGGER)
+        saved = logger.propagate
+        logger.addHandler(self)
+        logger.propagate = False
+        try:
+            yield self
+        finally:
+            logger.removeHandler(self)
+            logger.propagate = saved
+
+    def suffix(self) -> str:
+        """What to add to a finding's detail: the rebuilds (when any) and the other lines, quoted."""
+        times = "once" if self.rebuilds == 1 else f"{self.rebuilds} times"
+        out = f"; the probe's socket was rebuilt {times}, as the connector does after a silent deadline" \
+            if self.rebuilds else ""
+        return out + "".join(f"; the transport logged: {m}" for m in self.other)
 
 
 def probe_server(address: str, wire: str, *, samples: int = 20, timeout_ms: float = 500.0,
                  config: LookupConfig | None = None) -> Finding:
     """``samples`` blocking lookups of a cold prefix over ``wire``; latency, or why there was no answer.
 
-    ``config``: the deployment's settings, for its CURVE keys (pipelined wire)."""
+    ``config``: the deployment's settings, for its CURVE keys (pipelined wire). What the transport logs meanwhile
+    (socket rebuilds, malformed replies) is said in the finding, not printed apart (:class:`TransportNotes`)."""
+    with TransportNotes().held() as notes:
+        finding = _probe(address, wire, samples=samples, timeout_ms=timeout_ms, config=config)
+    return Finding(finding.check, finding.ok, finding.detail + notes.suffix())
+
+
+def _probe(address: str, wire: str, *, samples: int, timeout_ms: float, config: LookupConfig | None) -> Finding:
     from mooncake_lookout.connector.client import LookupClient
     from mooncake_lookout.connector.events import Outcome, OutcomeCounter
     from mooncake_lookout.connector.rigs.workload import unique_hashes
@@ -183,4 +236,5 @@ def add_doctor_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-__all__ = ["Finding", "add_doctor_parser", "check_config", "check_master", "probe_server", "run_doctor"]
+__all__ = ["Finding", "TransportNotes", "add_doctor_parser", "check_config", "check_master", "probe_server",
+           "run_doctor"]

@@ -51,6 +51,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="the clients' lookup_answer_ttl_ms: clients may cache found blocks once the master's key "
                         f"lease is known to cover it (default {ttl:g}; 0: no store epoch, clients cache nothing)")
     p.add_argument("--log-level", default="INFO", help="Python log level (default INFO)")
+    p.add_argument("--verbose", action="store_true",
+                   help="show every log line, the known harmless start-up lines of Mooncake and vLLM included "
+                        "(docs/troubleshooting.md)")
     add_vllm_layout_arguments(p)
     add_security_arguments(p)
     p.set_defaults(func=run_serve)
@@ -81,7 +84,11 @@ def _server_observers(args: argparse.Namespace, stack: contextlib.ExitStack) -> 
 
 def run_serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM / SIGINT; returns the process exit code."""
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from mooncake_lookout.connector.rigs.console import Console
+
+    console = Console(verbose=args.verbose, level=args.log_level).install()  # before vLLM is imported
+    if args.vllm_layout:
+        console.adopt_torch()
     from mooncake_lookout.connector.rigs.master import MOONCAKE_LEASE_MS, EmbeddedMaster, MasterError
     from mooncake_lookout.connector.server import LookupServer
     from mooncake_lookout.connector.server.prefix_index import PrefixIndex
@@ -99,17 +106,20 @@ def run_serve(args: argparse.Namespace) -> int:
         try:
             layout = read_layout(args) if args.vllm_layout else None
             if args.embedded_master:
-                master_address = stack.enter_context(EmbeddedMaster(kv_lease_ttl_ms=MOONCAKE_LEASE_MS)).rpc_address
-                logger.info("embedded Mooncake master on %s", master_address)
+                master = stack.enter_context(EmbeddedMaster(kv_lease_ttl_ms=MOONCAKE_LEASE_MS))
+                master_address = master.rpc_address
+                print(f"embedded Mooncake master on {master_address}, pid {master.pid}; its metrics: "
+                      f"{master.metrics_url} (doctor --master-metrics {master.metrics_url})", flush=True)
             else:
                 master_address = args.master or (layout.master if layout else None)
             if not master_address:
                 raise LayoutError("give --master HOST:PORT or --embedded-master (with --vllm-layout, "
                                   "--mooncake-config may name the master)")
             # It puts its marker; an embedded master has no other client, so this one lends it memory.
-            store = open_store(master_address, local_buffer_size=MARKER_LOCAL_BUFFER,
-                               global_segment_size=WRITER_GLOBAL_SEGMENT if args.embedded_master else 0,
-                               tenant_id=layout.tenant_id if layout else None)
+            with console.native():  # Mooncake's client logs its set-up from C++
+                store = open_store(master_address, local_buffer_size=MARKER_LOCAL_BUFFER,
+                                   global_segment_size=WRITER_GLOBAL_SEGMENT if args.embedded_master else 0,
+                                   tenant_id=layout.tenant_id if layout else None)
             stack.callback(store.close)
             backend = (vllm_layout_backend(layout, store, stack) if layout
                        else PrefixIndex(store, args.block_size, args.namespace))
@@ -121,6 +131,9 @@ def run_serve(args: argparse.Namespace) -> int:
                                                   lease_window_s=window_s,
                                                   observers=_server_observers(args, stack), **security))
         print(f"listening on {server.address}", flush=True)
+        note = console.summary()
+        if note:
+            print(note, flush=True)
         stop.wait()
         logger.info("stopping the lookup server")
     return 0

@@ -82,6 +82,21 @@ def _stop_leftover_masters() -> None:
         master.kill()
 
 
+def read_metrics(metrics_url: str, timeout_s: float = 5.0) -> dict[str, float]:
+    """The master's own ``/metrics`` as ``{series: value}`` (unlabelled series; labelled ones keep their labels)."""
+    with urllib.request.urlopen(f"{metrics_url}/metrics", timeout=timeout_s) as reply:
+        text = reply.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            try:
+                out[name.strip()] = float(value)
+            except ValueError:
+                continue
+    return out
+
+
 MOONCAKE_LEASE_MS = 10_000  # Mooncake 0.3.13's --default_kv_lease_ttl, what a master runs with unless told
 
 
@@ -254,4 +269,4 @@ class EmbeddedMaster:
         return f"EmbeddedMaster({self.rpc_address}, metrics={self.metrics_url}, {state})"
 
 
-__all__ = ["MOONCAKE_LEASE_MS", "EmbeddedMaster", "MasterError", "find_master_binary", "free_port"]
+__all__ = ["MOONCAKE_LEASE_MS", "EmbeddedMaster", "MasterError", "find_master_binary", "free_port", "read_metrics"]

@@ -118,6 +118,21 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
+def prompt_block_hashes(prompt: list[int]) -> list[bytes]:
+    """vLLM's block hashes of a prompt, as :meth:`SchedulerDriver.block_hashes` gives them, with no scheduler
+    (to fill the store for a scheduler that runs in another process)."""
+    _offline_env()
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    request = Request("hash-only", prompt, SamplingParams(max_tokens=1), None,
+                      block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
+    return [bytes(h) for h in request.block_hashes]
+
+
 class SchedulerDriver:
     """vLLM's real ``Scheduler`` with a KV connector, stepped by hand."""
 
@@ -212,4 +227,4 @@ class SchedulerDriver:
 
 
 __all__ = ["BLOCK_SIZE", "MAX_POSITIONS", "MODEL_STEP_S", "SchedulerDriver", "StepStats", "freeze_startup_heap",
-           "make_kv_cache_config", "make_vllm_config", "tiny_model_dir"]
+           "make_kv_cache_config", "make_vllm_config", "prompt_block_hashes", "tiny_model_dir"]

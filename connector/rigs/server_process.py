@@ -146,6 +146,7 @@ class ServerProcess:
         self.addresses: dict[str, str] = {}  # transport -> address, once started
         self._child: ChildProcess | None = None
         self._standby: ChildProcess | None = None
+        self._prepared = False  # the standby was spawned by prepare(), with the addresses a first start uses
 
     # -- state -------------------------------------------------------------------------------------------------
     @property
@@ -205,13 +206,23 @@ class ServerProcess:
         return ChildProcess(self._argv(standby), env=env, stdin=standby, keep_lines=200, name="lookup-servers")
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
+    def prepare(self) -> ServerProcess:
+        """Spawn the child now, to import while other work goes on; :meth:`start` then only waits for it to serve.
+
+        Several servers started at once import in parallel this way (each ``start`` alone waits for its import).
+        """
+        if not self.running and self._standby is None:
+            self._standby = self._spawn(standby=True)
+            self._prepared = True
+        return self
+
     def start(self) -> ServerProcess:
         """Start the servers (the standby if one is ready; the previous start's addresses) and wait until they serve."""
         if self.running:
             return self
         t0 = time.perf_counter()
         child, self._standby = self._standby, None
-        if child is not None and (not child.running or not self.addresses):
+        if child is not None and (not child.running or not (self.addresses or self._prepared)):
             child.kill()
             child = None
         if child is None:

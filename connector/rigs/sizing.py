@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from mooncake_lookout.connector.rigs.master import EmbeddedMaster
+from mooncake_lookout.connector.rigs.master import EmbeddedMaster, read_metrics
 from mooncake_lookout.connector.server.store import open_store
 
 KEY_PREFIX = "Qwen2.5-7B-Instruct@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@"  # the shape of vLLM's keys
@@ -51,11 +51,7 @@ def shared_mappings() -> list[str]:
 
 def master_key_count(master: EmbeddedMaster) -> int:
     """``master_key_count`` from the master's own ``/metrics``."""
-    import urllib.request
-
-    with urllib.request.urlopen(f"{master.metrics_url}/metrics", timeout=5) as reply:
-        text = reply.read().decode()
-    return int(float(next(x.split()[1] for x in text.splitlines() if x.startswith("master_key_count"))))
+    return int(read_metrics(master.metrics_url)["master_key_count"])
 
 
 def measure_master(keys: int, value_bytes: int = 64, steps: int = 4) -> dict[str, Any]:

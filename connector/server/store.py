@@ -20,7 +20,8 @@ from typing import Any
 
 INSTALL_HINT = (
     "install the Mooncake wheel: pip install mooncake-transfer-engine-non-cuda==0.3.13.post1 "
-    "(CPU hosts; it also needs Debian's libibverbs1) or mooncake-transfer-engine (CUDA hosts)"
+    "(CPU hosts; it also needs Debian's libibverbs1) or mooncake-transfer-engine-cuda13 (GPU hosts: vLLM 0.33 is "
+    "built for CUDA 13)"
 )
 IBVERBS_HINT = "the Mooncake wheel needs libibverbs.so.1: apt-get install -y libibverbs1"
 
