@@ -66,7 +66,7 @@ def test_the_production_wiring_attaches_what_the_adapter_attaches_inside_vllm(mo
 def _lookups(observers: ObserverSet, n: int) -> None:
     """``n`` lookups' events, as the client and its transport send them."""
     for i in range(n):
-        rec = LookupRecord(f"req-{i}", 64, 4, "pipelined", 0, time.perf_counter())
+        rec = LookupRecord(f"req-{i}", 64, [b"h" * 32] * 4, "pipelined", 0, time.perf_counter())
         observers.submitted(rec)
         rec.t_start = time.perf_counter()
         observers.started(rec)

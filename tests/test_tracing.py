@@ -158,7 +158,7 @@ def test_timeout_and_discard_end_the_span(spans) -> None:  # type: ignore[no-unt
     gone = LookupRecord("b", 32, [b"h" * 32] * 2, "upstream", 0, time.perf_counter())
     observer.submitted(gone)
 
-    def take() -> None:  # what LookupJob.start() does on the transport thread
+    def take() -> None:  # what a transport does when it sends
         gone.t_start = time.perf_counter()
         observer.started(gone)
 
@@ -274,7 +274,7 @@ def test_spans_reach_an_otlp_http_receiver(clean_otel_env: pytest.MonkeyPatch) -
         for rec in recs:
             obs.submitted(rec)
 
-        def transport() -> None:  # what LookupJob.start() / finish() do
+        def transport() -> None:  # what a transport does when it sends and answers
             for rec in recs:
                 rec.t_start = time.perf_counter()
                 obs.started(rec)
