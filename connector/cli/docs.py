@@ -164,6 +164,7 @@ def render_server_bounds() -> str:
     rows = ["| `serve` flag | default | what it bounds |", "| --- | --- | --- |"]
     for f in dataclasses.fields(Limits):
         rows.append(f"| `{flag_of(f.name)}` | {f.default:,} | {f.metadata['help']} |")
+    return "\n".join(rows) + "\n"
 
 
 def render_known_lines() -> str:
