@@ -26,7 +26,9 @@ What the scheduler can count on:
 
 The cost on the scheduler's thread is kept to what it must be: a lookup is one object (:class:`Lookup`, which
 is also the result vLLM reads), a call reads the clock once, a held answer is served by a dictionary look-up
-and a trust check, and a pending one asked again after the step's hand-over is one more look-up.
+and a trust check, and a pending one asked again after the step's hand-over is one more look-up. Telemetry
+costs an append: the step's log (:class:`StepLog`) keeps the lookups that ended and the deferrals for whoever
+reads it once per step; observers get each event only when one is attached.
 
 Every method is called from one thread (vLLM's engine-core thread); no state here is shared with another.
 """
@@ -43,13 +45,14 @@ from mooncake_lookout.connector.events import LookupObserver, ObserverSet
 from mooncake_lookout.connector.job import TailKeyBoundary
 from mooncake_lookout.connector.lookup import ERROR, HIT, TIMEOUT, Lookup, Outcome
 from mooncake_lookout.connector.prefix_cache import PrefixCache, StoreView
+from mooncake_lookout.connector.step_log import Reporting, StepLog
 from mooncake_lookout.connector.transport.base import Transport, TransportClosed
 from mooncake_lookout.connector.wait_budget import WaitBudget
 
 _clock = time.perf_counter
 
 
-class LookupClient:
+class LookupClient(Reporting):
     """Asynchronous, deadline-bound prefix lookups; one instance per scheduler, used from one thread."""
 
     def __init__(self, config: LookupConfig, transport: Transport, *,
@@ -58,24 +61,27 @@ class LookupClient:
         self.transport = transport
         self.observers = observer if isinstance(observer, ObserverSet) else ObserverSet(
             [observer] if observer is not None else [])
-        if transport.on_late_reply is None:
-            transport.on_late_reply = lambda: self.observers.late_reply()  # observers may be added later
-        transport.on_answer = lambda lk: self.observers.answered(lk)
-        self.breaker = CircuitBreaker(
-            config.lookup_breaker_failures, config.lookup_breaker_cooldown_s,
-            probe_timeout_s=config.timeout_s, on_change=lambda is_open: self.observers.breaker_changed(is_open))
+        self.breaker = CircuitBreaker(config.lookup_breaker_failures, config.lookup_breaker_cooldown_s,
+                                      probe_timeout_s=config.timeout_s, on_change=self._breaker_changed)
         self.budget = WaitBudget(config.wait_s, share=config.lookup_wait_auto_share)
         self.generation = 0
+        self.log: StepLog | None = None  # kept once a reader asks for it (take_log)
+        self.sampler: Any = None  # trace_headers -> bool, when spans are on (metrics/tracing.py)
         self._timeout_s = config.timeout_s
         self._max_pending = config.lookup_max_pending
         self._open = 0  # lookups submitted and not yet answered to the caller
         self._lookups: dict[str, Lookup] = {}  # each request's current lookup: pending, or its answer held
         self._held: dict[str, None] = {}  # requests whose answer is held, oldest first
         self._unsent: list[Lookup] = []
+        self._news = transport.news  # answers a transport's own thread handed back, not applied yet
         # The store's epoch as answers name it (a wipe by anyone changes it) and the prefix cache under it,
         # on once the scheduler adapter says the layout allows it (prefix_cache.py).
-        self.store_view = StoreView(config, lambda reason, blocks: self.observers.cache_cleared(reason, blocks))
+        self.store_view = StoreView(config, self._cache_cleared)
         transport.on_epoch = self.store_view.heard
+        self._ev: ObserverSet | None = None  # the observers, when any is attached (else no event is made)
+        self._own_late_reply = transport.on_late_reply
+        self.observers.on_add = self._listen
+        self._listen()
         # Until the scheduler adapter calls end_step, nothing is known of steps: every call hands over and takes in.
         self._stepped = False
         self._sent_this_step = False
@@ -120,21 +126,20 @@ class LookupClient:
         now = _clock()
         lk = self._lookups.get(req_id)
         if lk is not None:
-            if self._current(lk, num_tokens, block_hashes):
-                if lk.held:
-                    why = self.store_view.untrusted(lk, now)
-                    if why is None:
-                        return lk  # served from hold: no store call, no other work
-                    self.observers.answer_dropped(lk, why)
-                    self._drop(lk)
-                    lk = None
-                elif non_block and lk.outcome is None and self._nothing_new(lk, now):
-                    lk.deferrals += 1  # asked again after this step's hand-over: nothing can have changed
-                    self.observers.deferred(lk)
-                    return None
-            else:
+            if not self._current(lk, num_tokens, block_hashes):
                 self._drop(lk)
                 lk = None
+            elif lk.held:
+                why = self.store_view.untrusted(lk, now)
+                if why is None:
+                    return lk  # served from hold: no store call, no other work
+                self._dropped(lk, why)
+                lk = None
+            elif non_block and lk.outcome is None and self._drained_this_step and not self._news \
+                    and self._stepped and (self._sent_this_step or not self._unsent) and lk.t_start is not None \
+                    and now < lk.deadline and self.budget.left() <= 0:  # type: ignore[operator]
+                self._defer(lk)  # asked again after this step's hand-over: nothing can have changed
+                return None
         return self._ask(req_id, num_tokens, block_hashes, non_block, trace_headers, now, lk)
 
     def _ask(self, req_id: str, num_tokens: int, block_hashes: Sequence[bytes], non_block: bool,
@@ -146,10 +151,9 @@ class LookupClient:
                 lk = self._submit(req_id, num_tokens, block_hashes, trace_headers, called, admission=non_block)
             if lk is None:
                 over = Lookup(req_id, num_tokens, block_hashes, self.transport.name, self.generation, called)
-                over.deferrals = 1
-                self.observers.deferred(over)
+                self._defer(over)
                 return None
-            if lk.held or lk.t_consume is not None:  # answered at once: refused, or from the prefix cache
+            if lk.t_consume is not None:  # answered at once: refused, or from the prefix cache
                 return lk
         if lk.outcome is None:
             if not non_block and lk.t_start is None:
@@ -160,16 +164,14 @@ class LookupClient:
             if why is None:
                 return self._settle(lk)
             # Answered before a wipe (or a store error) heard since, or too late for its blocks' trust: ask again.
-            self.observers.answer_dropped(lk, why)
-            self._drop(lk)
+            self._dropped(lk, why)
             # Asked again within the same call's bound: a blocking call never waits past lookup_timeout_ms.
             return None if non_block else self._ask(req_id, num_tokens, block_hashes, False, trace_headers, called,
                                                     None)
         now = _clock()
         sent = lk.t_start is not None  # read first: the upstream transport's thread may send it meanwhile
         if non_block and not lk.expired(now) and not self.transport.stuck(lk, now):
-            lk.deferrals += 1
-            self.observers.deferred(lk)
+            self._defer(lk)
             return None
         self.transport.forget(lk)
         if sent:  # sent, and its deadline passed unanswered: the server's failure
@@ -198,9 +200,12 @@ class LookupClient:
         self._flush()
         self._stepped = True
         self._sent_this_step = self._drained_this_step = False
-        self.budget.new_step(_clock())
-        self.observers.step_ended(self.budget.in_force_s, len(self._held), len(self.cache or ()),
-                                  self.budget.last_interval_s)
+        budget = self.budget
+        budget.new_step(_clock())
+        if self.log is not None and budget.last_interval_s is not None:
+            self.log.intervals.append(budget.last_interval_s)
+        if self._ev is not None:
+            self._ev.step_ended(budget.in_force_s, len(self._held), len(self.cache or ()), budget.last_interval_s)
 
     def discard(self, req_id: str) -> None:
         """Forget ``req_id``'s lookup (allocated, finished, aborted, preempted); an unsent one is never sent."""
@@ -236,14 +241,6 @@ class LookupClient:
         return req_id in self._lookups
 
     # -- internals -----------------------------------------------------------------------------------------
-    def _nothing_new(self, lk: Lookup, now: float) -> bool:
-        """For a pending lookup asked again: this step has taken in and handed over, no answer has come back since,
-        it is sent and before its deadline, and no wait is allowed. Then only a deferral can follow."""
-        deadline = lk.deadline
-        return (self._stepped and self._drained_this_step and deadline is not None and now < deadline
-                and (self._sent_this_step or not self._unsent) and not self.transport.has_news
-                and self.budget.left() <= 0)
-
     def _current(self, lk: Lookup, num_tokens: int, block_hashes: Sequence[bytes]) -> bool:
         """Is ``lk`` still the lookup for this request: same prompt, same generation?"""
         n = len(block_hashes)
@@ -258,15 +255,18 @@ class LookupClient:
                     trace_headers)
         self._lookups[req_id] = lk
         self._open += 1
-        self.observers.submitted(lk)
+        if self.sampler is not None:
+            lk.sampled = self.sampler(trace_headers)
+        if self._ev is not None:
+            self._ev.submitted(lk)
         refused = (ERROR if self._closed else Outcome.REJECTED if self._open > self._max_pending
                    else None if self.breaker.allow() else Outcome.BREAKER_OPEN)
-        lk.probe = refused is None and self.breaker.is_open
         if refused is not None:
             lk.finish(refused, now, error=refused.value, local=True)
             self._settle(lk)
             return lk
-        local = self.store_view.plan(lk, num_tokens, now)
+        lk.probe = self.breaker.is_open
+        local = self.store_view.plan(lk, num_tokens, now) if self.store_view.cache is not None else None
         if local is None:
             self._unsent.append(lk)
             return lk
@@ -280,12 +280,11 @@ class LookupClient:
     def _tick(self, non_block: bool) -> None:
         """This step's take-in and hand-over, if not done yet: the first call of a step takes in every answer
         that has arrived, then hands over every lookup started since the last hand-over."""
-        transport = self.transport
         if not (self._stepped and self._drained_this_step):
             self._drained_this_step = True
-            transport.collect()
-        elif transport.has_news:  # answers a transport's thread handed back since: applied before deciding
-            transport.collect()
+            self.transport.collect()
+        elif self._news:  # answers a transport's thread handed back since: applied before deciding
+            self.transport.collect()
         if self._unsent and not (self._stepped and non_block and self._sent_this_step):
             self._flush(urgent=not non_block)
 
@@ -307,11 +306,10 @@ class LookupClient:
             for lk in lookups:
                 lk.finish(ERROR, now, error="transport closed")
             return
-        if self.observers.listens("started"):
-            started = self.observers.started
+        if self._ev is not None and self._ev.listens("started"):
             for lk in lookups:
                 if lk.outcome is None:
-                    started(lk)
+                    self._ev.started(lk)
 
     def _await(self, lk: Lookup, non_block: bool, called: float) -> None:
         """Hand over the step's lookups if due, take in arrived answers, and wait as much as this call may."""
@@ -332,10 +330,8 @@ class LookupClient:
         if non_block:
             self.budget.spend(_clock() - now)
         if lk.t_start is not None:  # what the wait took: the share of the round trip not spent on other work
-            if lk.outcome is not None and lk.t_answer is not None:
-                self.budget.observe(lk.t_answer - max(now, lk.t_start))
-            else:
-                self.budget.observe(None)  # the wait ran out first
+            self.budget.observe(lk.t_answer - max(now, lk.t_start)
+                                if lk.outcome is not None and lk.t_answer is not None else None)
         if lk.outcome is None and lk.expired(_clock()):
             self.transport.collect()  # the deadline passed while waiting: let the transport time it out
 
@@ -350,15 +346,18 @@ class LookupClient:
         if lk.evidence and lk.t_start is not None:  # refusals teach nothing: busy is no wipe
             failed = lk.failed
             self.breaker.record(not failed)
-            lk.valid_until = self.store_view.valid_until(lk)
+            if lk.valid_until is None:
+                lk.valid_until = self.store_view.valid_until(lk)
             if failed:
                 self.store_view.failed(lk.outcome is ERROR, lk.t_answer or now)  # the master may have restarted
-            else:
+            elif self.store_view.cache is not None:
                 self.store_view.remember(lk, lk.hit_length)
         elif lk.probe:  # a probe turned away busy says nothing: let the next one through at once
             self.breaker.probe_abandoned()
         self._open -= 1
-        self.observers.consumed(lk)
+        self._ended(lk)
+        if self._ev is not None:
+            self._ev.consumed(lk)
         if not lk.kept:  # failed or refused: not held, the next call asks again
             del self._lookups[lk.req_id]
             return lk
@@ -369,7 +368,7 @@ class LookupClient:
             old = next(iter(held))
             del held[old]
             if (gone := self._lookups.pop(old, None)) is not None:
-                self.observers.answer_dropped(gone, "evicted")
+                self._dropped(gone, "evicted", forget=False)
         return lk
 
     def _drop(self, lk: Lookup) -> None:
@@ -389,7 +388,8 @@ class LookupClient:
         lk.outcome = Outcome.DISCARDED
         lk.t_consume = _clock()
         self._open -= 1
-        self.observers.discarded(lk)
-
+        self._ended(lk)
+        if self._ev is not None:
+            self._ev.discarded(lk)
 
 __all__ = ["LookupClient"]

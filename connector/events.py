@@ -17,7 +17,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from mooncake_lookout.connector.lookup import Lookup, Outcome
@@ -114,6 +114,8 @@ class FanOut:
         self._base = base
         self._events = events_of(base)
         self._handlers: dict[str, tuple[Any, ...]] = {name: () for name in self._events}
+        # Called after an observer is added (the client then stops skipping its events).
+        self.on_add: Callable[[], None] | None = None
         for obs in observers:
             self.add(obs)
 
@@ -126,6 +128,8 @@ class FanOut:
                 continue  # not overridden: nothing to call
             self._handlers[name] = handlers = (*self._handlers[name], method)
             setattr(self, name, _dispatcher(name, handlers))
+        if self.on_add is not None:
+            self.on_add()
 
     def listens(self, event: str) -> bool:
         """True if some observer overrides ``event``."""
@@ -177,11 +181,15 @@ class BackgroundObserver(NullObserver):
             if self._handlers.listens(event):
                 setattr(self, event, functools.partial(self._put, event))
 
-    def _put(self, event: str, *args: Any) -> None:
+    def _put(self, event: Any, *args: Any) -> None:
         if len(self._events) >= self._max_backlog:
             self.dropped += 1
             return
         self._events.append((event, args))
+
+    def call(self, fn: Any, *args: Any) -> None:
+        """Run ``fn(*args)`` on the thread, in turn with the events (one append here): a batch of work at once."""
+        self._put(fn, *args)
 
     def _run(self) -> None:
         while not self._closing:
@@ -198,7 +206,13 @@ class BackgroundObserver(NullObserver):
                 item.set()
                 continue
             event, args = item
-            getattr(self._handlers, event)(*args)
+            if callable(event):
+                try:
+                    event(*args)
+                except Exception:  # telemetry must never break anything
+                    logger.exception("background work %r failed", event)
+            else:
+                getattr(self._handlers, event)(*args)
             time.sleep(0)  # hand the GIL to a waiting hot thread between events, not once per switch interval
 
     def flush(self, timeout_s: float = 5.0) -> bool:

@@ -5,9 +5,10 @@ Why one object: on the scheduler's thread every object and every attribute copie
 the record observers read (``LookupRecord`` is its name there), the job a transport carries, and the result
 vLLM reads (it has ``hit_length`` and ``tail_key_boundaries``, as vLLM's ``MooncakeLookupResult``).
 
-Threads: the scheduler's thread creates it and writes every field. A transport's own thread may read what
-was asked (``num_tokens``, ``block_hashes``, ``num_hashes``, ``known``, ``epoch``, ``lookup_id``) once the
-lookup was handed to it, and never writes: answers come back to the scheduler's thread, which applies them.
+Threads: the scheduler's thread creates it and writes every field but two. A transport's own thread may read
+what was asked (``num_tokens``, ``block_hashes``, ``num_hashes``, ``known``, ``epoch``, ``deadline``) once the
+lookup was handed to it; it writes only its wire id (``lookup_id``) and, for the ``upstream`` transport, when
+it sent it (``t_start``, ``deadline``). Answers come back to the scheduler's thread, which applies them.
 """
 
 from __future__ import annotations

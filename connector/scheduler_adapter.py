@@ -10,7 +10,10 @@ how a lookup is started, waited for, timed and forgotten:
   ``on_new_request`` are timed as time the scheduler spent in the lookup path (``scheduler_call`` events);
 * an answer is kept until the request is allocated, so a failed allocation costs no second round trip;
 * lookups of finished, aborted and preempted requests are discarded.
-* the request's ``trace_headers`` ride on its lookup's record, so its span joins the request's trace.
+* telemetry costs the scheduler an append per lookup: vLLM's stats record is made from the client's step log
+  once per step (:meth:`take_stats`), and spans only for lookups the ``OTEL_TRACES_SAMPLER`` keeps (the
+  request's ``trace_headers`` ride on its lookup, so its span joins the request's trace), built on a thread of
+  their own from each step's sampled lookups, handed over at once.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.scheduler impor
 from mooncake_lookout.connector.addresses import lookup_address
 from mooncake_lookout.connector.client import LookupClient
 from mooncake_lookout.connector.config import LookupConfig
-from mooncake_lookout.connector.events import BackgroundObserver, LookupObserver
+from mooncake_lookout.connector.events import LookupObserver
 from mooncake_lookout.connector.transport import PIPELINED, make_transport
 
 
@@ -60,17 +63,12 @@ class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
         if config.lookup_transport == PIPELINED and _one_block_per_hash(kv_cache_config, self):
             self.client.enable_prefix_cache(self._block_size)
         self.observers = self.client.observers
-        # vLLM's stats pipeline (served on vLLM's own /metrics) and, if OTEL_* asks for it, spans.
-        from mooncake_lookout.metrics.tracing import tracing_observer_from_env
-        from mooncake_lookout.metrics.vllm_stats import LookupStatsCollector
+        self._mode = config.mode
+        # vLLM's stats pipeline (served on vLLM's own /metrics), from the client's step log once a step, and, if
+        # OTEL_* asks for it, spans for the lookups the sampler keeps, built on a thread of their own.
+        from mooncake_lookout.metrics.deployed import DeployedTelemetry
 
-        self.stats = LookupStatsCollector()
-        self.observers.add(self.stats)
-        self.tracer = tracing_observer_from_env()
-        self._tracing: BackgroundObserver | None = None
-        if self.tracer is not None:
-            self._tracing = BackgroundObserver(self.tracer, name="lookout-tracing")
-            self.observers.add(self._tracing)
+        self.telemetry = DeployedTelemetry.from_env(self.client)
 
     def _lookup_align(self) -> int:
         return self._hash_block_size if self.enable_partial_hash_hits else self._block_size
@@ -83,18 +81,19 @@ class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
         t0 = time.perf_counter()
         self.client.start(request.request_id, request.num_tokens, request.block_hashes,
                           trace_headers=request.trace_headers, admission=True)
-        self.observers.scheduler_call(self.lookup_config.mode, time.perf_counter() - t0)
+        self.client.scheduler_call(self._mode, time.perf_counter() - t0)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Upstream's answer (``(None, False)`` while pending), timed as time spent blocking the scheduler."""
         t0 = time.perf_counter()
         try:
-            if request.trace_headers and self.enable_lookup and request.num_tokens >= self._lookup_align():
+            if request.trace_headers and not self.lookup_config.lookup_on_admission and self.enable_lookup \
+                    and request.num_tokens >= self._lookup_align():  # started here: with the request's trace
                 self.client.start(request.request_id, request.num_tokens, request.block_hashes,
                                   trace_headers=request.trace_headers)
             return super().get_num_new_matched_tokens(request, num_computed_tokens)
         finally:
-            self.observers.scheduler_call(self.lookup_config.mode, time.perf_counter() - t0)
+            self.client.scheduler_call(self._mode, time.perf_counter() - t0)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """The answer has been used for an allocation: it need not be kept any longer."""
@@ -114,15 +113,14 @@ class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
         self.client.discard(request.request_id)
 
     def take_stats(self) -> Any:
-        """This step's lookup figures for vLLM's stats pipeline (called once per step)."""
-        return self.stats.take()
+        """This step's lookup figures for vLLM's stats pipeline (called once per step); the step's sampled lookups
+        go to the tracing thread in one hand-over."""
+        return self.telemetry.take()
 
     def close(self) -> None:
         """Stop the lookup client and its transport, then flush spans."""
         self.client.close()
-        if self.tracer is not None and self._tracing is not None:
-            self._tracing.close()
-            self.tracer.shutdown()
+        self.telemetry.close()
 
 
 __all__ = ["LookoutMooncakeStoreScheduler", "retire_upstream_client"]

@@ -12,12 +12,17 @@ Enable
     With ``OTEL_TRACES_EXPORTER`` unset or ``none``, :func:`tracing_observer_from_env` returns ``None`` and
     no observer is attached: tracing off costs nothing.
 
+Sampling
+    Decided when a lookup starts, on the scheduler's thread, by :func:`sampler_from_env` from the standard
+    ``OTEL_TRACES_SAMPLER`` / ``OTEL_TRACES_SAMPLER_ARG`` and the request's own ``traceparent`` flag (a
+    ``parentbased_*`` sampler follows it). A lookup not sampled costs nothing more: no span is built for it.
+
 Spans
     ``mooncake.lookup`` runs from submit to the answer being used (or the lookup discarded).
-    ``mooncake.lookup.rpc`` is its child, from the transport taking the lookup (on the transport's thread)
-    to its answer. Both are built when the lookup ends, from the record's timestamps, on a background
-    thread (the scheduler adapter wraps the observer in ``BackgroundObserver``), so the scheduler and the
-    transport only pay a queue put. Request ids appear only hashed (``gen_ai.request.id``).
+    ``mooncake.lookup.rpc`` is its child, from the hand-over to the transport to its answer. Both are built
+    after the lookup ended, from its timestamps (explicit start and end times), on a background thread: the
+    scheduler adapter hands each step's sampled lookups over at once (``BackgroundObserver.call``), so the
+    scheduler pays one queue put a step. Request ids appear only hashed (``gen_ai.request.id``).
 
 Parent from vLLM
     The scheduler adapter hands ``Request.trace_headers`` to the client when it starts the lookup; they
@@ -32,13 +37,17 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import random
 import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import Status, StatusCode, Tracer
 
 from mooncake_lookout.connector.events import LookupRecord, NullObserver, Outcome
@@ -89,6 +98,11 @@ class TracingObserver(NullObserver):
     def discarded(self, rec: LookupRecord) -> None:
         self._record(rec)
 
+    def record_many(self, lookups: Sequence[LookupRecord]) -> None:
+        """Spans for ``lookups`` (a step's sampled lookups that ended, handed over together)."""
+        for rec in lookups:
+            self._record(rec)
+
     def _record(self, rec: LookupRecord) -> None:
         headers = rec.trace_headers
         ctx = propagate.extract(headers) if headers else None
@@ -132,6 +146,62 @@ class TracingObserver(NullObserver):
             self.provider.shutdown()
 
 
+_SAMPLERS = ("always_on", "always_off", "traceidratio", "parentbased_always_on", "parentbased_always_off",
+             "parentbased_traceidratio")
+_TRACE_ID_BOUND = 1 << 64
+
+
+def sampler_from_env(environ: Mapping[str, str] | None = None) -> Callable[[Mapping[str, str] | None], bool]:
+    """``OTEL_TRACES_SAMPLER`` and ``OTEL_TRACES_SAMPLER_ARG`` as a decision made when a lookup starts, on the
+    scheduler's thread: a lookup not sampled is never handed to the tracing thread and builds no span.
+
+    Follows the OTel SDK's samplers: ``parentbased_*`` follow the request's own ``traceparent`` sampled flag
+    and apply the root sampler when there is none; ``traceidratio`` keeps a trace id when its lower 64 bits
+    fall under ``ratio * 2**64`` (the request's trace id; for a lookup with no parent, one drawn at random,
+    as the SDK draws the id it would create). Default, and for a name it does not know (as the SDK does):
+    ``parentbased_always_on``.
+    """
+    env = os.environ if environ is None else environ
+    name = env.get("OTEL_TRACES_SAMPLER", "parentbased_always_on").strip().lower()
+    if name not in _SAMPLERS:
+        logger.warning("unknown OTEL_TRACES_SAMPLER %r: spans use parentbased_always_on", name)
+        name = "parentbased_always_on"
+    try:
+        ratio = min(1.0, max(0.0, float(env.get("OTEL_TRACES_SAMPLER_ARG", "1.0"))))
+    except ValueError:
+        ratio = 1.0
+    bound = round(ratio * _TRACE_ID_BOUND)
+    root = name.removeprefix("parentbased_")
+    parent_based = name.startswith("parentbased_")
+
+    def decide(headers: Mapping[str, str] | None) -> bool:
+        parent = _traceparent(headers) if headers else None
+        if parent is not None and parent_based:
+            return parent[1]
+        if root == "always_on":
+            return True
+        if root == "always_off":
+            return False
+        trace_id = parent[0] if parent is not None else random.getrandbits(128)
+        return (trace_id & (_TRACE_ID_BOUND - 1)) < bound
+
+    return decide
+
+
+def _traceparent(headers: Mapping[str, str]) -> tuple[int, bool] | None:
+    """(trace id, sampled) of a W3C ``traceparent`` header, or None when there is none or it is malformed."""
+    value = headers.get("traceparent")
+    if not value:
+        return None
+    parts = value.strip().split("-")
+    if len(parts) < 4 or len(parts[1]) != 32 or len(parts[3]) != 2:
+        return None
+    try:
+        return int(parts[1], 16), bool(int(parts[3], 16) & 1)
+    except ValueError:
+        return None
+
+
 def _exporters_from_env() -> list[SpanExporter]:
     """Span exporters named by ``OTEL_TRACES_EXPORTER`` (and the OTLP protocol variables), via the SDK."""
     # The SDK's own reading of OTEL_TRACES_EXPORTER / OTEL_EXPORTER_OTLP_*_PROTOCOL (private helpers,
@@ -154,7 +224,8 @@ def provider_from_env(exporters: list[SpanExporter] | None = None) -> TracerProv
     resource = Resource.create({})
     if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
         resource = resource.merge(Resource({SERVICE_NAME: DEFAULT_SERVICE_NAME}))
-    provider = TracerProvider(resource=resource)  # sampler from OTEL_TRACES_SAMPLER(_ARG)
+    # Lookups are sampled when they start (sampler_from_env): the spans built are those of sampled lookups.
+    provider = TracerProvider(resource=resource, sampler=ALWAYS_ON)
     for exporter in exporters:
         provider.add_span_processor(BatchSpanProcessor(exporter))
     return provider
@@ -180,5 +251,5 @@ def tracing_observer_from_env() -> TracingObserver | None:
 __all__ = [
     "ATTR_BLOCKS", "ATTR_DEFERRED_STEPS", "ATTR_ERROR", "ATTR_GENERATION", "ATTR_HIT_TOKENS", "ATTR_OUTCOME",
     "ATTR_REQUEST_ID", "ATTR_TOKENS", "ATTR_TRANSPORT", "SPAN_LOOKUP", "SPAN_RPC", "TracingObserver",
-    "hash_request_id", "provider_from_env", "tracing_observer_from_env",
+    "hash_request_id", "provider_from_env", "sampler_from_env", "tracing_observer_from_env",
 ]

@@ -2,9 +2,9 @@
 
 How the figures travel (vLLM 0.33):
 
-1. :class:`LookupStatsCollector` is a :class:`LookupObserver` on the scheduler's thread. It adds each
-   event to the current step's record; the connector's ``get_kv_connector_stats()`` calls
-   :meth:`LookupStatsCollector.take` once per step and hands vLLM a :class:`LookoutLookupStats`.
+1. The client keeps a log of the step (the lookups that ended, the deferrals: an append each); the
+   connector's ``get_kv_connector_stats()`` calls :meth:`LookupStatsCollector.take` once per step, which turns
+   the log into one step record and hands vLLM a :class:`LookoutLookupStats`.
 2. vLLM's scheduler aggregates it with the workers' stats (upstream's ``MooncakeStoreConnectorStats``),
    calls ``to_dict()`` and ships the dict to the API server (msgpack or pickle). So ``data`` holds only
    plain ``dict``/``list``/``str``/``int``/``float``, and every value in it is a list: upstream's
@@ -14,8 +14,8 @@ How the figures travel (vLLM 0.33):
    ``model_name`` and ``engine``. Upstream's store-operation records in the same payload go on to
    upstream's ``MooncakeStorePromMetrics``, so replacing the connector loses none of its metrics.
 
-The collector touches its step record only on the scheduler's thread; ``late_reply`` (on the ``upstream``
-transport's thread) bumps a plain integer that the scheduler reads, never a shared structure. No lock anywhere.
+The collector runs on the scheduler's thread; late replies are read as the transport's own counter (bumped by
+its thread), never a shared structure. No lock anywhere.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.metrics import 
 )
 
 from mooncake_lookout.connector.config import ConfigError, LookupConfig
-from mooncake_lookout.connector.events import LookupRecord, NullObserver, Outcome
+from mooncake_lookout.connector.events import LookupRecord, Outcome
 from mooncake_lookout.metrics import catalogue as cat
 from mooncake_lookout.metrics.prometheus_sink import info_labels
 
@@ -71,6 +71,7 @@ _SECONDS = cat.SECONDS.key
 _BLOCKED = cat.SCHEDULER_BLOCKED_SECONDS.key
 _INTERVAL = cat.STEP_INTERVAL_SECONDS.key
 _COUNTERS = (_QUERIED, _HIT, _DEFERRALS, _LATE, _CACHE_QUERY, _CACHE_KNOWN, _CACHE_ANSWERS)
+_DISCARDED = Outcome.DISCARDED.value
 _HISTOGRAMS = (_STEPS, _QUEUE, _RPC, _SECONDS, _INTERVAL)
 
 
@@ -138,91 +139,60 @@ class LookoutLookupStats(KVConnectorStats):
         return reduced
 
 
-class LookupStatsCollector(NullObserver):
-    """Scheduler-side observer that fills one step record; :meth:`take` hands it to vLLM each step."""
+class LookupStatsCollector:
+    """Turns the client's step log into vLLM's stats record, once per step (:meth:`take`, on the scheduler's thread).
 
-    def __init__(self) -> None:
-        self._pending = 0
-        self._step: dict[str, Any] | None = None
-        self._late_replies = 0  # written by the transport thread only
-        self._late_taken = 0  # read by the scheduler thread only
+    The client keeps the log (connector/step_log.py: the lookups that ended, the deferrals, the calls' times);
+    the work of turning it into counters and lists is done here, once a step, not on each event. The lookups
+    to trace (``sampled``) are kept from the last log taken, for the adapter to hand to the tracing thread.
+    """
 
-    def _current(self) -> dict[str, Any]:
-        step = self._step
-        if step is None:
-            step = self._step = _new_step(self._pending)
-        return step
-
-    def submitted(self, rec: LookupRecord) -> None:
-        self._pending += 1
-        self._current()[_PENDING] = self._pending
-
-    def deferred(self, rec: LookupRecord) -> None:
-        self._current()[_DEFERRALS] += 1
-
-    def consumed(self, rec: LookupRecord) -> None:
-        step = self._current()
-        outcome = rec.outcome.value if rec.outcome is not None else Outcome.ERROR.value
-        step[_REQUESTS][outcome] = step[_REQUESTS].get(outcome, 0) + 1
-        if rec.store_answered:
-            step[_QUERIED] += rec.num_tokens
-        step[_HIT] += rec.hit_tokens
-        if rec.countable_blocks:
-            step[_CACHE_QUERY] += rec.countable_blocks
-            step[_CACHE_KNOWN] += rec.known_blocks
-            step[_CACHE_ANSWERS] += rec.from_cache
-        step[_STEPS].append(rec.deferrals)
-        if (q := rec.queue_seconds) is not None:
-            step[_QUEUE].append(q)
-        if (r := rec.rpc_seconds) is not None:
-            step[_RPC].append(r)
-        if (t := rec.total_seconds) is not None:
-            step[_SECONDS].append(t)
-        self._pending -= 1
-        step[_PENDING] = self._pending
-
-    def discarded(self, rec: LookupRecord) -> None:
-        step = self._current()
-        discarded = Outcome.DISCARDED.value
-        step[_REQUESTS][discarded] = step[_REQUESTS].get(discarded, 0) + 1
-        self._pending -= 1
-        step[_PENDING] = self._pending
-
-    def breaker_changed(self, is_open: bool) -> None:
-        self._current()[_BREAKER] = 1 if is_open else 0
-
-    def answer_dropped(self, rec: LookupRecord, reason: str) -> None:
-        dropped = self._current()[_DROPPED]
-        dropped[reason] = dropped.get(reason, 0) + 1
-
-    def step_ended(self, wait_budget_s: float, held: int, cached_blocks: int,
-                   interval_s: float | None = None) -> None:
-        step = self._current()
-        step[_BUDGET] = wait_budget_s
-        step[_HELD] = held
-        step[_CACHE_BLOCKS] = cached_blocks
-        if interval_s is not None:
-            step[_INTERVAL].append(interval_s)
-
-    def cache_cleared(self, reason: str, blocks: int) -> None:
-        clears = self._current()[_CACHE_CLEARS]
-        clears[reason] = clears.get(reason, 0) + 1
-
-    def scheduler_call(self, mode: str, seconds: float) -> None:
-        self._current()[_BLOCKED].setdefault(mode, []).append(seconds)
-
-    def late_reply(self) -> None:
-        """A reply came for a lookup that had ended (transport thread; only bumps an integer)."""
-        self._late_replies += 1
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        client.take_log()  # the client keeps its log from now on
+        self.sampled: list[LookupRecord] = []
+        self._late_taken = 0
 
     def take(self) -> LookoutLookupStats:
-        """This step's figures (empty when nothing happened); the next event starts a new step."""
-        late = self._late_replies
-        if late != self._late_taken:
-            self._current()[_LATE] = late - self._late_taken
-            self._late_taken = late
-        step, self._step = self._step, None
-        return LookoutLookupStats(data={STATS_KEY: [step]} if step is not None else {})
+        """This step's figures (empty when nothing happened)."""
+        client = self.client
+        log = client.take_log()
+        self.sampled = log.sampled
+        late = client.transport.late_replies - self._late_taken
+        self._late_taken += late
+        if not log and not late:
+            return LookoutLookupStats(data={})
+        step = _new_step(client.pending)
+        requests, steps, queue, rpc, seconds = step[_REQUESTS], step[_STEPS], step[_QUEUE], step[_RPC], step[_SECONDS]
+        queried = hit = cache_query = cache_known = cache_answers = 0
+        for rec in log.ended:
+            outcome = rec.outcome.value if rec.outcome is not None else Outcome.ERROR.value
+            requests[outcome] = requests.get(outcome, 0) + 1
+            if outcome == _DISCARDED:
+                continue
+            if rec.store_answered:
+                queried += rec.num_tokens
+            hit += rec.hit_length
+            if rec.countable_blocks:
+                cache_query += rec.countable_blocks
+                cache_known += rec.known_blocks
+                cache_answers += rec.from_cache
+            steps.append(rec.deferrals)
+            if (q := rec.queue_seconds) is not None:
+                queue.append(q)
+            if (r := rec.rpc_seconds) is not None:
+                rpc.append(r)
+            if (t := rec.total_seconds) is not None:
+                seconds.append(t)
+        step.update({_QUERIED: queried, _HIT: hit, _CACHE_QUERY: cache_query, _CACHE_KNOWN: cache_known,
+                     _CACHE_ANSWERS: cache_answers, _DEFERRALS: log.deferrals, _LATE: late, _DROPPED: log.dropped,
+                     _CACHE_CLEARS: log.clears, _INTERVAL: log.intervals, _HELD: client.held,
+                     _BUDGET: client.budget.in_force_s, _CACHE_BLOCKS: len(client.cache or ())})
+        if log.calls:
+            step[_BLOCKED] = {client.config.mode: log.calls}
+        if log.breaker is not None:
+            step[_BREAKER] = 1 if log.breaker else 0
+        return LookoutLookupStats(data={STATS_KEY: [step]})
 
 
 class LookoutPromMetrics(KVConnectorPromMetrics):

@@ -179,20 +179,69 @@ def test_timeout_and_discard_end_the_span(spans) -> None:  # type: ignore[no-unt
     assert rpc.end_time <= d.end_time
 
 
-def test_unsampled_lookups_record_nothing(clean_otel_env: pytest.MonkeyPatch) -> None:
-    clean_otel_env.setenv("OTEL_TRACES_SAMPLER", "always_off")
+@pytest.mark.parametrize("env,headers,expected", [
+    ({}, None, True),  # the SDK's default: parentbased_always_on
+    ({}, {"traceparent": f"00-{PARENT_TRACE}-{PARENT_SPAN}-00"}, False),  # the request's own flag says no
+    ({"OTEL_TRACES_SAMPLER": "always_off"}, {"traceparent": TRACEPARENT}, False),
+    ({"OTEL_TRACES_SAMPLER": "always_on"}, {"traceparent": f"00-{PARENT_TRACE}-{PARENT_SPAN}-00"}, True),
+    ({"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0"}, None, False),
+    ({"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0"},
+     {"traceparent": TRACEPARENT}, True),  # a sampled parent wins over the root's ratio
+    ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "1"}, None, True),
+    # traceidratio keeps a trace whose id's lower 64 bits fall under ratio * 2**64 (a3ce929d0e0e4736 ~ 0.64)
+    ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.7"}, {"traceparent": TRACEPARENT}, True),
+    ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.6"}, {"traceparent": TRACEPARENT}, False),
+    ({"OTEL_TRACES_SAMPLER": "no_such_sampler"}, None, True),  # as the SDK: falls back to parentbased_always_on
+    ({}, {"traceparent": "garbage"}, True),  # a malformed header is no parent
+], ids=lambda v: str(v)[:40])
+def test_the_sampler_follows_otel_and_the_requests_own_flag(env: dict[str, str], headers: dict[str, str] | None,
+                                                            expected: bool) -> None:
+    assert tracing.sampler_from_env(env)(headers) is expected
+
+
+def test_the_sampler_keeps_its_ratio_of_root_lookups() -> None:
+    decide = tracing.sampler_from_env({"OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+                                       "OTEL_TRACES_SAMPLER_ARG": "0.1"})
+    kept = sum(decide(None) for _ in range(20_000))
+    assert 1_500 < kept < 2_500  # 10% of 20,000 (the bound is 11 standard deviations wide)
+
+
+def test_unsampled_lookups_build_no_span(prefix_index, make_hashes) -> None:  # type: ignore[no-untyped-def]
+    """Deployed telemetry on a real client and server: a lookup the sampler drops is never handed to the tracing
+    thread, so no span is built for it (before, every lookup's span was started, then dropped by the SDK)."""
+    from mooncake_lookout.connector.client import LookupClient
+    from mooncake_lookout.connector.config import LookupConfig
+    from mooncake_lookout.connector.server import LookupServer
+    from mooncake_lookout.connector.transport import make_transport
+    from mooncake_lookout.metrics.deployed import DeployedTelemetry
+
     exporter = InMemorySpanExporter()
     provider = tracing.provider_from_env([exporter])
     assert provider is not None
-    observer = TracingObserver(provider.get_tracer("test"), provider)
-    rec = LookupRecord("x", 16, [b"h" * 32] * 1, "upstream", 0, time.perf_counter())
-    observer.submitted(rec)
-    observer.started(rec)
-    observer.answered(rec)
-    rec.outcome = Outcome.MISS
-    observer.consumed(rec)
-    observer.shutdown()
-    assert exporter.get_finished_spans() == ()
+    config = LookupConfig(lookup_async=True, lookup_timeout_ms=5000)
+    built: list[int] = []
+    with LookupServer(prefix_index) as server:
+        client = LookupClient(config, make_transport(config, server.address))
+        observer = TracingObserver(provider.get_tracer("test"), provider)
+        record_many = observer.record_many
+        observer.record_many = lambda lookups: (built.append(len(lookups)), record_many(lookups))  # type: ignore
+        telemetry = DeployedTelemetry(client, observer)
+        try:
+            for seed, (name, flag) in enumerate((("kept", "01"), ("dropped", "00"))):
+                hashes = make_hashes(2, seed=700 + seed)
+                headers = {"traceparent": f"00-{PARENT_TRACE}-{PARENT_SPAN}-{flag}"}
+                end = time.monotonic() + 10
+                while client.lookup(name, 33, hashes, non_block=True, trace_headers=headers) is None:
+                    assert time.monotonic() < end
+                    client.end_step()
+                    time.sleep(0.001)
+            telemetry.take()
+        finally:
+            client.close()
+            telemetry.close()
+    lookups = _by_name(exporter.get_finished_spans(), SPAN_LOOKUP)
+    assert built == [1]  # one hand-over, of the one sampled lookup
+    assert [s.attributes[ATTR_REQUEST_ID] for s in lookups] == [hash_request_id("kept")]
 
 
 def test_off_unless_otel_traces_exporter_is_set(clean_otel_env: pytest.MonkeyPatch) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pickle
 import re
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -16,7 +15,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.metrics import 
 from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-from mooncake_lookout.connector.events import LookupRecord, ObserverSet, Outcome
+from mooncake_lookout.connector.client import LookupClient
+from mooncake_lookout.connector.config import LookupConfig
+from mooncake_lookout.connector.lookup import Outcome
+from mooncake_lookout.connector.transport import make_transport
 from mooncake_lookout.metrics import catalogue as cat
 from mooncake_lookout.metrics.vllm_stats import (
     STATS_KEY,
@@ -25,94 +27,141 @@ from mooncake_lookout.metrics.vllm_stats import (
     LookupStatsCollector,
 )
 
-
-def _lifecycle(obs: Any, req_id: str, outcome: Outcome, *, tokens: int = 64, hit: int = 0,
-               deferrals: int = 0) -> None:
-    """Events of one lookup as the client emits them on the scheduler thread (timings set by hand)."""
-    rec = LookupRecord(req_id, tokens, [b"h" * 32] * (tokens // 16), "pipelined", 0, 10.0)
-    obs.submitted(rec)
-    rec.t_start, rec.t_answer = 10.0001, 10.0006
-    for _ in range(deferrals):
-        rec.deferrals += 1
-        obs.deferred(rec)
-    rec.t_consume = 10.002
-    if outcome is Outcome.DISCARDED:
-        rec.outcome = outcome
-        obs.discarded(rec)
-    else:
-        rec.outcome, rec.hit_tokens = outcome, hit
-        obs.consumed(rec)
+BLOCK = 16
 
 
 def _upstream_op(duration: float = 0.002) -> dict[str, Any]:
     return {"duration_seconds": duration, "num_keys": 4, "num_bytes": 4096, "status": "ok", "num_failed_keys": 0}
 
 
+@pytest.fixture
+def lookup_server(prefix_index: Any) -> Iterator[Any]:
+    from mooncake_lookout.connector.server import LookupServer
+
+    with LookupServer(prefix_index) as server:
+        yield server
+
+
+@pytest.fixture
+def client(lookup_server: Any) -> Iterator[LookupClient]:
+    """Our client as vLLM runs it in async mode (the socket on its own thread), against a real server."""
+    config = LookupConfig(lookup_async=True, lookup_timeout_ms=5000)
+    c = LookupClient(config, make_transport(config, lookup_server.address))
+    yield c
+    c.close()
+
+
+def _answer(client: LookupClient, req_id: str, hashes: list[bytes], bound_s: float = 10.0) -> Any:
+    """Ask as vLLM's async scheduler does, a step at a time, until the answer comes."""
+    end = time.monotonic() + bound_s
+    while (result := client.lookup(req_id, len(hashes) * BLOCK + 1, hashes, non_block=True)) is None:
+        assert time.monotonic() < end, f"{req_id} never answered"
+        client.end_step()
+        time.sleep(0.001)
+    return result
+
+
 # -- the collector and the stats object -------------------------------------------------------------------
 
 
-def test_collector_fills_one_record_per_step_and_tracks_pending() -> None:
-    collector = LookupStatsCollector()
+def test_collector_makes_one_record_a_step_from_the_clients_log(client: LookupClient, prefix_index: Any,
+                                                               make_hashes: Any) -> None:
+    collector = LookupStatsCollector(client)
     assert collector.take().is_empty()  # a quiet step ships nothing
-    obs = ObserverSet([collector])
-    _lifecycle(obs, "a", Outcome.HIT, hit=48, deferrals=2)
-    rec = LookupRecord("b", 32, [b"h" * 32] * 2, "pipelined", 0, 10.0)
-    obs.submitted(rec)  # still pending at the end of the step
-    obs.scheduler_call("async", 3e-5)
-    obs.breaker_changed(True)
-    step1 = collector.take()
-    [s] = step1.lookup_steps()
+    hit = make_hashes(4, seed=31)
+    prefix_index.store_prefixes([hit[:3]])
+    client.start("a", 4 * BLOCK + 1, hit, admission=True)
+    client.scheduler_call("async", 3e-5)
+    answer = _answer(client, "a", hit)
+    assert answer.hit_length == 3 * BLOCK and answer.deferrals >= 1
+    client.start("b", 2 * BLOCK + 1, make_hashes(2, seed=32), admission=True)  # still pending at the step's end
+    [s] = collector.take().lookup_steps()
     assert s[cat.REQUESTS.key] == {"hit": 1}
-    assert s[cat.QUERIED_TOKENS.key] == 64 and s[cat.HIT_TOKENS.key] == 48
-    assert s[cat.DEFERRALS.key] == 2 and s[cat.DEFERRED_STEPS.key] == [2]
-    assert s[cat.PENDING.key] == 1 and s[cat.BREAKER_OPEN.key] == 1
-    assert s[cat.RPC_SECONDS.key] == [pytest.approx(0.0005)]
+    assert s[cat.QUERIED_TOKENS.key] == 4 * BLOCK + 1 and s[cat.HIT_TOKENS.key] == 3 * BLOCK
+    assert s[cat.DEFERRALS.key] == answer.deferrals and s[cat.DEFERRED_STEPS.key] == [answer.deferrals]
+    assert s[cat.PENDING.key] == 1 and s[cat.HELD.key] == 1
+    assert s[cat.RPC_SECONDS.key] == [pytest.approx(answer.rpc_seconds)]
     assert s[cat.SCHEDULER_BLOCKED_SECONDS.key] == {"async": [3e-5]}
-    rec.outcome = Outcome.DISCARDED
-    obs.discarded(rec)
+    assert len(s[cat.STEP_INTERVAL_SECONDS.key]) == answer.deferrals - 1  # one per step after the first
+    client.discard("b")
     [s2] = collector.take().lookup_steps()
     assert s2[cat.REQUESTS.key] == {"discarded": 1} and s2[cat.PENDING.key] == 0
     assert cat.BREAKER_OPEN.key not in s2  # a gauge travels only when it changed
 
 
-def test_late_replies_counted_from_another_thread() -> None:
-    collector = LookupStatsCollector()
-    t = threading.Thread(target=lambda: [collector.late_reply() for _ in range(500)])
-    t.start()
-    t.join(10)
-    [s] = collector.take().lookup_steps()
-    assert s[cat.LATE_REPLIES.key] == 500
-    assert collector.take().is_empty()  # counted once
+def test_late_replies_and_the_breaker_reach_the_record(tmp_path: Any) -> None:
+    """A real late reply: a server that answers after the lookup's deadline (a ROUTER answering by hand 0.3 s
+    late: a slow server cannot be made slow on demand otherwise); one timeout opens a 1-failure breaker."""
+    import zmq
+
+    from mooncake_lookout.connector.wire import pipelined as protocol
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    address = f"ipc://{tmp_path}/late.sock"
+    router.bind(address)
+    config = LookupConfig(lookup_async=True, lookup_timeout_ms=50, lookup_breaker_failures=1)
+    client = LookupClient(config, make_transport(config, address))
+    collector = LookupStatsCollector(client)
+    try:
+        hashes = [bytes([7]) * 32] * 2
+        assert client.lookup("a", 33, hashes, non_block=True) is None
+        assert router.poll(5000)
+        peer, header, body = router.recv_multipart()
+        request = protocol.decode_request([header, body])
+        time.sleep(0.1)  # past the deadline
+        assert client.lookup("a", 33, hashes, non_block=True).outcome is Outcome.TIMEOUT
+        router.send_multipart([peer, protocol.encode_reply(request.frame_id, [protocol.result_of(
+            request.queries[0].lookup_id, protocol.LookupResult(0))])])
+        end = time.monotonic() + 5
+        while client.transport.late_replies == 0:
+            assert time.monotonic() < end, "the late reply never came"
+            time.sleep(0.005)
+        [s] = collector.take().lookup_steps()
+        assert s[cat.LATE_REPLIES.key] == 1 and s[cat.REQUESTS.key] == {"timeout": 1}
+        assert s[cat.BREAKER_OPEN.key] == 1
+        assert collector.take().is_empty()  # counted once
+    finally:
+        client.close()
+        ctx.destroy(linger=0)
 
 
-def test_payload_survives_vllm_wire_formats() -> None:
-    collector = LookupStatsCollector()
-    obs = ObserverSet([collector])
-    _lifecycle(obs, "a", Outcome.MISS)
-    _lifecycle(obs, "b", Outcome.TIMEOUT, deferrals=3)
-    obs.scheduler_call("budget", 1e-4)
+def _one_step(client: LookupClient, prefix_index: Any, make_hashes: Any, seed: int, cached: int) -> Any:
+    hashes = make_hashes(4, seed=seed)
+    if cached:
+        prefix_index.store_prefixes([hashes[:cached]])
+    return _answer(client, f"r{seed}", hashes)
+
+
+def test_payload_survives_vllm_wire_formats(client: LookupClient, prefix_index: Any, make_hashes: Any) -> None:
+    collector = LookupStatsCollector(client)
+    _one_step(client, prefix_index, make_hashes, 41, 0)
+    _one_step(client, prefix_index, make_hashes, 42, 2)
+    client.scheduler_call("budget", 1e-4)
     payload = collector.take().to_dict()
     stats = SchedulerStats(kv_connector_stats=payload)
     decoded = MsgpackDecoder(SchedulerStats).decode(MsgpackEncoder().encode(stats))
     assert decoded.kv_connector_stats == payload
     assert pickle.loads(pickle.dumps(payload)) == payload
-    assert LookoutLookupStats(data=decoded.kv_connector_stats).reduce()["lookup_timeout"] == 1
+    reduced = LookoutLookupStats(data=decoded.kv_connector_stats).reduce()
+    assert reduced["lookup_miss"] == 1 and reduced["lookup_hit"] == 1
 
 
 @pytest.mark.parametrize("ours_first", [True, False])
-def test_aggregates_with_upstream_worker_stats_either_way(ours_first: bool) -> None:
+def test_aggregates_with_upstream_worker_stats_either_way(client: LookupClient, prefix_index: Any,
+                                                          make_hashes: Any, ours_first: bool) -> None:
     """vLLM calls ``worker_stats.aggregate(scheduler_stats)``: upstream's class must keep our records too."""
-    collector = LookupStatsCollector()
-    _lifecycle(collector, "a", Outcome.HIT, hit=16)
+    collector = LookupStatsCollector(client)
+    _one_step(client, prefix_index, make_hashes, 51, 1)
     ours: KVConnectorStats = collector.take()
     upstream = MooncakeStoreConnectorStats()
     upstream.record_operation("lookup_exists", 0.002, 4, num_bytes=4096)
     merged = ours.aggregate(upstream) if ours_first else upstream.aggregate(ours)
     data = merged.to_dict()
     assert len(data[STATS_KEY]) == 1 and len(data["lookup_exists"]) == 1
-    more = LookupStatsCollector()
-    _lifecycle(more, "b", Outcome.MISS)
-    both = LookoutLookupStats(data=data).aggregate(more.take())
+    _one_step(client, prefix_index, make_hashes, 52, 0)
+    both = LookoutLookupStats(data=data).aggregate(collector.take())
     reduced = both.reduce()
     assert reduced["lookups"] == 2 and reduced["lookup_hit"] == 1 and reduced["lookup_miss"] == 1
     assert reduced["lookup_exists_count"] == 1  # upstream's own summary is kept
@@ -144,7 +193,8 @@ def _series(text: str, name: str) -> dict[str, float]:
     return out
 
 
-def test_prom_metrics_carry_model_and_engine_labels() -> None:
+def test_prom_metrics_carry_model_and_engine_labels(lookup_server: Any, prefix_index: Any,
+                                                    make_hashes: Any) -> None:
     """LookoutPromMetrics on vLLM's own metric classes, two engines, info from the extra config."""
     from prometheus_client import Counter, Gauge, Histogram
     from vllm.v1.metrics.prometheus import unregister_vllm_metrics
@@ -154,10 +204,15 @@ def test_prom_metrics_carry_model_and_engine_labels() -> None:
                         "lookup_max_pending": 64})
     prom = LookoutPromMetrics(cfg, {Gauge: Gauge, Counter: Counter, Histogram: Histogram},
                               ["model_name", "engine"], {0: ["tiny", "0"], 1: ["tiny", "1"]})
-    collector = LookupStatsCollector()
-    _lifecycle(collector, "a", Outcome.HIT, hit=32, deferrals=1)
-    collector.scheduler_call("budget", 5e-5)
-    data = collector.take().aggregate(_wrap_upstream()).to_dict()
+    config = LookupConfig(lookup_async=True, lookup_wait_us=200, lookup_timeout_ms=5000)
+    client = LookupClient(config, make_transport(config, lookup_server.address))
+    try:
+        collector = LookupStatsCollector(client)
+        _one_step(client, prefix_index, make_hashes, 61, 2)
+        client.scheduler_call("budget", 5e-5)
+        data = collector.take().aggregate(_wrap_upstream()).to_dict()
+    finally:
+        client.close()
     prom.observe(data, engine_idx=1)
     text = _scrape_vllm_registry()
     hits = _series(text, cat.REQUESTS.name + "_total")
@@ -182,14 +237,6 @@ def _wrap_upstream() -> MooncakeStoreConnectorStats:
 
 
 # -- vLLM's real scheduler, the wire and vLLM's PrometheusStatLogger ----------------------------------------
-
-@pytest.fixture
-def lookup_server(prefix_index: Any) -> Iterator[Any]:
-    from mooncake_lookout.connector.server import LookupServer
-
-    with LookupServer(prefix_index) as server:
-        yield server
-
 
 def test_scheduler_stats_reach_vllm_prometheus_logger(prefix_index: Any, lookup_server: Any,
                                                       promtool: Any) -> None:

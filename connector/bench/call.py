@@ -22,7 +22,7 @@ from typing import Any
 
 from mooncake_lookout.connector.bench.floors import FloorServer
 from mooncake_lookout.connector.bench.rig import ClientMaker, close_upstream_client, summary_us
-from mooncake_lookout.connector.bench.wiring import PRODUCTION, Wired, label, telemetry
+from mooncake_lookout.connector.bench.wiring import NONE, PRODUCTION, Wired, label
 from mooncake_lookout.connector.rigs.workload import WorkloadRequest
 
 CLIENTS = ("upstream", "ours/upstream-wire", "ours/pipelined")
@@ -37,11 +37,10 @@ def make_client(rig: ClientMaker, name: str, wiring: str = PRODUCTION, **config:
     if name == "upstream":
         client = rig.upstream_client()
         return client, lambda: close_upstream_client(client)
-    tele = telemetry(wiring)
-    ours = rig.our_client(name.split("/")[1].replace("-wire", ""), tele.observers, **config)
-    if not tele.observers:
+    ours = rig.our_client(name.split("/")[1].replace("-wire", ""), (), **config)
+    if wiring == NONE:
         return ours, ours.close
-    wired = Wired(ours, tele)
+    wired = Wired(ours, wiring)
     return wired, wired.close
 
 

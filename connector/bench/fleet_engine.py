@@ -57,12 +57,11 @@ class Engine(ClientMaker):
         if which == UPSTREAM_CLIENT:
             upstream = self.upstream_client()
             return upstream, lambda: close_upstream_client(upstream, timeout_s=120.0)
-        from mooncake_lookout.connector.bench.wiring import PRODUCTION, Wired, telemetry
+        from mooncake_lookout.connector.bench.wiring import PRODUCTION, Wired
 
-        tele = telemetry(PRODUCTION)
-        ours = self.our_client(PIPELINED, tele.observers, lookup_async=True, timeout_ms=TIMEOUT_MS)
+        ours = self.our_client(PIPELINED, (), lookup_async=True, timeout_ms=TIMEOUT_MS)
         ours.enable_prefix_cache(BLOCK_SIZE)
-        wired = Wired(ours, tele)
+        wired = Wired(ours, PRODUCTION)
         return wired, wired.close
 
 

@@ -8,8 +8,8 @@ other is timed:
 * **deployed**: our connector as vLLM builds it, with the ``OTEL_*`` variables the Helm chart sets when tracing
   is on (its sampler, :data:`.wiring.CHART_SAMPLER`), spans exported over OTLP/HTTP to a local endpoint
   (:mod:`.otlp_sink`), vLLM's stats collector inline (vLLM takes its record every step);
-* **off**: the same connector with no observer at all (its observers emptied before the first request; checked:
-  vLLM got no stats record from it).
+* **off**: the same connector with no telemetry at all (switched off before the first request: no step log, no
+  sampler, no spans; checked: vLLM got no stats record from it).
 
 Processes run in ABBA order (off, deployed, deployed, off, ...) and each variant's steps are pooled; the
 figure is the mean ``schedule()`` time per step, deployed over off. The parent fills the store for the run's
@@ -86,12 +86,24 @@ class _Filled:
         return self.workload.request(k)
 
 
-def _switch_off(driver: Any) -> None:
-    """No observer on our connector's client (checked after the run: vLLM got no stats record)."""
-    from mooncake_lookout.connector.events import ObserverSet
+class _Off:
+    """No telemetry: vLLM's stats hook gets an empty record, and the client keeps no step log."""
 
+    def take(self) -> Any:
+        from mooncake_lookout.metrics.vllm_stats import LookoutLookupStats
+
+        return LookoutLookupStats(data={})
+
+    def close(self) -> None:
+        pass
+
+
+def _switch_off(driver: Any) -> None:
+    """No telemetry on our connector's client (checked after the run: vLLM got no stats record)."""
     adapter = driver.connector.connector_scheduler
-    adapter.client.observers = adapter.observers = ObserverSet()
+    adapter.telemetry.close()
+    adapter.telemetry = _Off()
+    adapter.client.log = adapter.client.sampler = None
 
 
 def _handle(servers: _Servers, variant: str, command: dict[str, Any]) -> dict[str, Any]:
@@ -114,7 +126,7 @@ def _handle(servers: _Servers, variant: str, command: dict[str, Any]) -> dict[st
     stats_records = len(driver.kv_connector_stats)
     if variant == "off" and stats_records:
         raise RuntimeError(f"telemetry off: vLLM still got {stats_records} stats records from our connector")
-    if variant == "deployed" and (not stats_records or adapter.tracer is None):
+    if variant == "deployed" and (not stats_records or adapter.telemetry.tracer is None):
         raise RuntimeError("telemetry as deployed: no stats record reached vLLM, or tracing did not start")
     return {"variant": variant, "schedule_s": run.schedule_seconds, "schedule_us": summary_us(run.schedule_seconds),
             "requests": run.requests, "finished": run.finished, "stats_records": stats_records,

@@ -7,22 +7,21 @@ the client: vLLM's stats collector, inline (vLLM takes its step record once per 
 exported over OTLP/HTTP. The Helm chart turns tracing on with a sampler (:data:`CHART_SAMPLER`, the chart's
 ``engine.tracing`` values; a test keeps the two equal). The bench's three wirings:
 
-* :data:`PRODUCTION`: the stats collector inline, taken once per step, and spans sampled as the chart samples
-  them, exported over OTLP/HTTP to a local endpoint (:mod:`.otlp_sink`), built by the same function the adapter
-  calls (``tracing_observer_from_env``);
+* :data:`PRODUCTION`: vLLM's stats record made from the client's step log once per step, and spans for the
+  lookups sampled as the chart samples them, exported over OTLP/HTTP to a local endpoint (:mod:`.otlp_sink`);
 * :data:`ALWAYS_ON`: the same with every lookup's spans recorded (``parentbased_always_on``);
 * :data:`NONE`: the bare client.
 
-:class:`Wired` gives a client the step hook vLLM adds: its ``end_step`` also takes the stats collector's record.
+:class:`Wired` gives a client the step hook vLLM adds: its ``end_step`` also takes the step's stats record. The
+telemetry itself is the adapter's (``metrics/deployed.py``), so the bench measures what vLLM runs.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 PRODUCTION = "production"
@@ -71,52 +70,35 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                     os.environ[k] = v
 
 
-@dataclass
-class Telemetry:
-    """What one wiring attaches: the observers, the step hook vLLM runs, and what to close."""
-
-    wiring: str
-    observers: list[Any] = field(default_factory=list)
-    per_step: Callable[[], Any] | None = None
-    closers: list[Callable[[], Any]] = field(default_factory=list)
-
-    def close(self) -> None:
-        """Flush and stop the span pipeline (as the adapter's ``close`` does)."""
-        for close in self.closers:
-            close()
-
-
-def telemetry(wiring: str) -> Telemetry:
-    """The observers of ``wiring`` (see the module docstring); spans go to this process's :func:`.otlp_sink.shared`."""
+def attach(client: Any, wiring: str) -> Any:
+    """``wiring``'s telemetry on ``client`` (the adapter's own :class:`~mooncake_lookout.metrics.deployed.
+    DeployedTelemetry`), spans to this process's :func:`.otlp_sink.shared`; None for :data:`NONE`."""
     if wiring not in WIRINGS:
         raise ValueError(f"telemetry wiring must be one of {WIRINGS}, got {wiring!r}")
     if wiring == NONE:
-        return Telemetry(wiring)
+        return None
     from mooncake_lookout.connector.bench.otlp_sink import shared
-    from mooncake_lookout.connector.events import BackgroundObserver
-    from mooncake_lookout.metrics.tracing import tracing_observer_from_env
-    from mooncake_lookout.metrics.vllm_stats import LookupStatsCollector
+    from mooncake_lookout.metrics.deployed import DeployedTelemetry
 
-    stats = LookupStatsCollector()
     with _environment(tracing_env(wiring, shared().endpoint)):
-        tracer = tracing_observer_from_env()
-    if tracer is None:
+        tele = DeployedTelemetry.from_env(client)
+    if tele.tracer is None:
         raise RuntimeError("tracing did not start with the chart's OTEL_* settings: see the log above")
-    spans = BackgroundObserver(tracer, name="lookout-tracing")
-    return Telemetry(wiring, [stats, spans], stats.take, [spans.close, tracer.shutdown])
+    return tele
 
 
 class Wired:
-    """Our client as vLLM drives it with telemetry on: the calls of the client, and an ``end_step`` that also
-    takes the stats collector's step record (what vLLM's ``get_kv_connector_stats`` does once per step)."""
+    """Our client as vLLM drives it with ``wiring``'s telemetry: the calls of the client, and an ``end_step`` that
+    also takes the step's stats record (what vLLM's ``get_kv_connector_stats`` does once per step)."""
 
-    def __init__(self, client: Any, tele: Telemetry) -> None:
+    def __init__(self, client: Any, wiring: str) -> None:
         self.client = client
-        self.telemetry = tele
+        self.telemetry = tele = attach(client, wiring)
         self.lookup = client.lookup
         self.start = client.start
         self.discard = client.discard
-        end_step, take = client.end_step, tele.per_step
+        end_step = client.end_step
+        take = tele.take if tele is not None else None
 
         def step() -> None:
             end_step()
@@ -128,11 +110,12 @@ class Wired:
     def close(self) -> None:
         """Close the client, then the telemetry."""
         self.client.close()
-        self.telemetry.close()
+        if self.telemetry is not None:
+            self.telemetry.close()
 
     def __getattr__(self, name: str) -> Any:  # anything else the client has (pending, observers, budget, ...)
         return getattr(self.client, name)
 
 
-__all__ = ["ALWAYS_ON", "ALWAYS_ON_SAMPLER", "CHART_SAMPLER", "NONE", "PRODUCTION", "Telemetry", "WIRINGS", "Wired",
-           "label", "sampler_of", "telemetry", "tracing_env"]
+__all__ = ["ALWAYS_ON", "ALWAYS_ON_SAMPLER", "CHART_SAMPLER", "NONE", "PRODUCTION", "WIRINGS", "Wired", "attach",
+           "label", "sampler_of", "tracing_env"]

@@ -34,6 +34,9 @@ class Transport(abc.ABC):
     on_answer: Callable[[Lookup], None] | None = None
     late_replies: int = 0
     rebuilds: int = 0
+    # Answers a thread of the transport's own handed back and ``collect`` has not applied yet (falsy when none;
+    # a transport whose socket ``collect`` reads itself has none between calls). Read on every call: no method.
+    news: Any = ()
 
     @abc.abstractmethod
     def send(self, lookups: Sequence[Lookup], *, urgent: bool = False) -> None:
@@ -48,12 +51,6 @@ class Transport(abc.ABC):
 
         With ``until`` given, wait up to ``wait_s`` seconds for its answer (never past its deadline).
         """
-
-    @property
-    def has_news(self) -> bool:
-        """True when a thread of the transport's own has handed answers back that ``collect`` has not applied
-        yet (a transport whose socket is read by ``collect`` itself has none between calls)."""
-        return False
 
     def overdue(self, now: float) -> bool:
         """True when a lookup the server was asked has outlived its deadline (lookups queued behind it then

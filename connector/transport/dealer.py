@@ -9,9 +9,8 @@ refused CURVE handshake on the slow path only. Use a :class:`Dealer` from one th
 
 from __future__ import annotations
 
-import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import zmq
@@ -32,7 +31,7 @@ SEND_MORE = NOBLOCK | SNDMORE
 EVENTS, POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 
-def plan_frames(lookups: Sequence[Lookup], ids: itertools.count[int]) -> list[tuple[int, list[Lookup]]]:
+def plan_frames(lookups: Sequence[Lookup], ids: Iterator[int]) -> list[tuple[int, list[Lookup]]]:
     """Give each lookup not cancelled its id, and group them into frames within the protocol's limits."""
     frames: list[tuple[int, list[Lookup]]] = []
     batch: list[Lookup] = []

@@ -62,6 +62,7 @@ class UpstreamTransport(Transport):
         self._ready = threading.Condition(threading.Lock())
         # (lookup, outcome, when, hit, tails, error, local) handed back by the thread; applied by the caller.
         self._answers: collections.deque[tuple[Any, ...]] = collections.deque()
+        self.news = self._answers
         self._arrived = threading.Event()
         self._closed = False
         self._inflight_deadline: float | None = None  # written by the thread, read by the caller
@@ -116,11 +117,6 @@ class UpstreamTransport(Transport):
         """An answer for the caller (transport thread): queued, and the caller woken if it waits."""
         self._answers.append((lk, outcome, time.perf_counter(), hit, tails, error, local))
         self._arrived.set()
-
-    @property
-    def has_news(self) -> bool:
-        """True when the thread handed answers back that are not applied yet."""
-        return bool(self._answers)
 
     def overdue(self, now: float) -> bool:
         """True once the lookup in flight has outlived its deadline (the server is not answering)."""
