@@ -4,31 +4,27 @@ What the scheduler can count on:
 
 * ``lookup(..., non_block=False)`` never waits longer than ``lookup_timeout_ms``; ``non_block=True`` waits
   at most what is left of the step's budget (``lookup_wait_us``, or ``auto``). A lookup *sent* and not
-  answered by its deadline is a miss, counted as a timeout; time spent in the client's own queue is not
-  the server's failure and never counts against the deadline or the breaker.
-* The lookups of one scheduling step travel together: the first call of a step hands the transport every
-  lookup started since the last hand-over (those started at admission included) and takes in every answer
-  that has arrived; :meth:`end_step` hands over the rest. A step pays one hand-over, however many lookups.
-* After ``lookup_breaker_failures`` consecutive failures (timeouts, errors), lookups answer a miss at once
-  for ``lookup_breaker_cooldown_s``, then one probe decides.
-* At most ``lookup_max_pending`` lookups are queued or in flight. Past it, a lookup at admission is not
-  started yet and a non-blocking ask defers (vLLM asks every waiting request each step in async mode, so
-  a deep waiting queue must not turn into refusals); only a blocking ask, which cannot wait, gets a miss
-  at once (``rejected``). At most ``lookup_max_held`` answers are held for requests not yet allocated
-  (past it, the oldest is forgotten and asked again when needed).
+  answered by its deadline is a miss, counted as a timeout; time in the client's own queue is not the
+  server's failure and never counts against the deadline or the breaker.
+* A step's lookups travel together: the step's first call hands the transport every lookup started since the
+  last hand-over (at admission included) and takes in the answers that came; :meth:`end_step` hands over the
+  rest. After ``lookup_breaker_failures`` consecutive failures, lookups answer a miss at once for
+  ``lookup_breaker_cooldown_s``, then one probe decides.
+* At most ``lookup_max_pending`` lookups are queued or in flight: past it an admission starts none and a
+  non-blocking ask defers (a deep waiting queue must not turn into refusals); a blocking ask gets a miss
+  (``rejected``). At most ``lookup_max_held`` answers are held (past it, the oldest is forgotten).
 * An answer is served only for the request it was asked for (same ``num_tokens``, same hashes), in the
   current generation (``reset`` bumps it), and only while every block it counts is trusted: found by a store
   check sent at most ``lookup_answer_ttl_ms`` before (known blocks included), so the master's lease leaves the
   load its margin (docs/reliability.md, "No stale hit"; checked in :meth:`StoreView.untrusted`). Failed
   or refused answers are not held: the next call asks again.
-* Store errors and timeouts are reported as such to observers, never as plain misses. ``busy`` and
-  ``bad_request`` replies fail only their lookups: they clear nothing and do not feed the breaker.
+* Store errors and timeouts are reported as such, never as misses. ``busy`` and ``bad_request`` replies fail
+  only their lookups: they clear nothing and do not feed the breaker.
 
-The cost on the scheduler's thread is kept to what it must be: a lookup is one object (:class:`Lookup`, which
-is also the result vLLM reads), a call reads the clock once, a held answer is served by a dictionary look-up
-and a trust check, and a pending one asked again after the step's hand-over is one more look-up. Telemetry
-costs an append: the step's log (:class:`StepLog`) keeps the lookups that ended and the deferrals for whoever
-reads it once per step; observers get each event only when one is attached.
+The scheduler's thread does what it must and no more: a lookup is one object (:class:`Lookup`, also the result
+vLLM reads); a held answer is served by a look-up and a trust check; in async mode a pending one costs a
+look-up and a deferral. Telemetry costs an append: the step's log (:class:`StepLog`) keeps the lookups that
+ended and the deferrals for whoever reads it once per step; observers get events only when one is attached.
 
 Every method is called from one thread (vLLM's engine-core thread); no state here is shared with another.
 """
@@ -43,7 +39,7 @@ from mooncake_lookout.connector.breaker import CircuitBreaker
 from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.events import LookupObserver, ObserverSet
 from mooncake_lookout.connector.job import TailKeyBoundary
-from mooncake_lookout.connector.lookup import ERROR, HIT, TIMEOUT, Lookup, Outcome
+from mooncake_lookout.connector.lookup import ERROR, HIT, MISS, TIMEOUT, Lookup, Outcome
 from mooncake_lookout.connector.prefix_cache import PrefixCache, StoreView
 from mooncake_lookout.connector.step_log import Reporting, StepLog
 from mooncake_lookout.connector.transport.base import Transport, TransportClosed
@@ -69,6 +65,7 @@ class LookupClient(Reporting):
         self.sampler: Any = None  # trace_headers -> bool, when spans are on (metrics/tracing.py)
         self._timeout_s = config.timeout_s
         self._max_pending = config.lookup_max_pending
+        self._may_wait = config.lookup_wait_us != 0  # a fixed budget, or auto: calls may wait
         self._open = 0  # lookups submitted and not yet answered to the caller
         self._lookups: dict[str, Lookup] = {}  # each request's current lookup: pending, or its answer held
         self._held: dict[str, None] = {}  # requests whose answer is held, oldest first
@@ -93,7 +90,6 @@ class LookupClient(Reporting):
         """Build the client the way vLLM's connector would: config from ``kv_connector_extra_config``."""
         from mooncake_lookout.connector.addresses import lookup_address
         from mooncake_lookout.connector.transport import make_transport
-
         config = LookupConfig.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
         return cls(config, make_transport(config, lookup_address(vllm_config, config)), observer=observer)
 
@@ -135,12 +131,28 @@ class LookupClient(Reporting):
                     return lk  # served from hold: no store call, no other work
                 self._dropped(lk, why)
                 lk = None
-            elif non_block and lk.outcome is None and self._drained_this_step and not self._news \
-                    and self._stepped and (self._sent_this_step or not self._unsent) and lk.t_start is not None \
-                    and now < lk.deadline and self.budget.left() <= 0:  # type: ignore[operator]
-                self._defer(lk)  # asked again after this step's hand-over: nothing can have changed
-                return None
-        return self._ask(req_id, num_tokens, block_hashes, non_block, trace_headers, now, lk)
+        if not non_block or self._may_wait:  # a blocking call, or a wait budget: the general path
+            return self._ask(req_id, num_tokens, block_hashes, non_block, trace_headers, now, lk)
+        # vLLM's async mode, no wait: the common cases inline (a new lookup, the step's take-in and hand-over,
+        # an answer that came, a deferral); anything else takes the general path.
+        if lk is None:
+            lk = self._submit(req_id, num_tokens, block_hashes, trace_headers, now, admission=True)
+            if lk is None or lk.t_consume is not None:
+                return self._ask(req_id, num_tokens, block_hashes, True, trace_headers, now, lk)
+        if not (self._stepped and self._drained_this_step):
+            self._drained_this_step = True
+            self.transport.collect()
+            if self._unsent:
+                self._flush()
+        elif self._news:
+            self.transport.collect()
+        elif self._unsent and not self._sent_this_step:
+            self._flush()
+        if lk.outcome is None and (lk.t_start is None or now < lk.deadline) \
+                and (lk.t_start is not None or not self.transport.stuck(lk, now)):  # type: ignore[operator]
+            self._defer(lk)
+            return None
+        return self._ask(req_id, num_tokens, block_hashes, True, trace_headers, now, lk)
 
     def _ask(self, req_id: str, num_tokens: int, block_hashes: Sequence[bytes], non_block: bool,
              trace_headers: Mapping[str, str] | None, called: float, lk: Lookup | None) -> Lookup | None:
@@ -150,22 +162,24 @@ class LookupClient(Reporting):
                 self._tick(non_block)
                 lk = self._submit(req_id, num_tokens, block_hashes, trace_headers, called, admission=non_block)
             if lk is None:
-                over = Lookup(req_id, num_tokens, block_hashes, self.transport.name, self.generation, called)
-                self._defer(over)
+                self._defer(Lookup(req_id, num_tokens, block_hashes, self.transport.name, self.generation, called))
                 return None
             if lk.t_consume is not None:  # answered at once: refused, or from the prefix cache
                 return lk
         if lk.outcome is None:
-            if not non_block and lk.t_start is None:
-                lk.latest = called + self._timeout_s  # a blocking call's bound caps the lookup's deadline
+            if not non_block and lk.t_start is None:  # a blocking call's bound caps the lookup's deadline
+                lk.latest = called + self._timeout_s
             self._await(lk, non_block, called)
         if lk.outcome is not None:
-            why = self.store_view.stale(lk, _clock())
+            view = self.store_view
+            if lk.outcome is HIT and not (lk.local or lk.refused) and lk.t_start is not None:
+                lk.valid_until = view.valid_until(lk)  # a hit is trusted no longer than the checks behind it
+            why = view.untrusted(lk, _clock())
             if why is None:
                 return self._settle(lk)
-            # Answered before a wipe (or a store error) heard since, or too late for its blocks' trust: ask again.
+            # Answered before a wipe (or a store error) heard since, or too late for its blocks' trust: ask again,
+            # a blocking call within its own bound (it never waits past lookup_timeout_ms).
             self._dropped(lk, why)
-            # Asked again within the same call's bound: a blocking call never waits past lookup_timeout_ms.
             return None if non_block else self._ask(req_id, num_tokens, block_hashes, False, trace_headers, called,
                                                     None)
         now = _clock()
@@ -202,8 +216,8 @@ class LookupClient(Reporting):
         self._sent_this_step = self._drained_this_step = False
         budget = self.budget
         budget.new_step(_clock())
-        if self.log is not None and budget.last_interval_s is not None:
-            self.log.intervals.append(budget.last_interval_s)
+        if self.log is not None and (interval := budget.last_interval_s) is not None:
+            self.log.intervals.append(interval)
         if self._ev is not None:
             self._ev.step_ended(budget.in_force_s, len(self._held), len(self.cache or ()), budget.last_interval_s)
 
@@ -263,8 +277,7 @@ class LookupClient(Reporting):
                    else None if self.breaker.allow() else Outcome.BREAKER_OPEN)
         if refused is not None:
             lk.finish(refused, now, error=refused.value, local=True)
-            self._settle(lk)
-            return lk
+            return self._settle(lk)
         lk.probe = self.breaker.is_open
         local = self.store_view.plan(lk, num_tokens, now) if self.store_view.cache is not None else None
         if local is None:
@@ -274,8 +287,7 @@ class LookupClient(Reporting):
         hit, lk.valid_until = local
         lk.from_cache = True
         lk.finish(HIT, now, hit, (TailKeyBoundary(0, hit),), local=True)
-        self._settle(lk)
-        return lk
+        return self._settle(lk)
 
     def _tick(self, non_block: bool) -> None:
         """This step's take-in and hand-over, if not done yet: the first call of a step takes in every answer
@@ -307,9 +319,7 @@ class LookupClient(Reporting):
                 lk.finish(ERROR, now, error="transport closed")
             return
         if self._ev is not None and self._ev.listens("started"):
-            for lk in lookups:
-                if lk.outcome is None:
-                    self._ev.started(lk)
+            [self._ev.started(lk) for lk in lookups if lk.outcome is None]
 
     def _await(self, lk: Lookup, non_block: bool, called: float) -> None:
         """Hand over the step's lookups if due, take in arrived answers, and wait as much as this call may."""
@@ -332,8 +342,6 @@ class LookupClient(Reporting):
         if lk.t_start is not None:  # what the wait took: the share of the round trip not spent on other work
             self.budget.observe(lk.t_answer - max(now, lk.t_start)
                                 if lk.outcome is not None and lk.t_answer is not None else None)
-        if lk.outcome is None and lk.expired(_clock()):
-            self.transport.collect()  # the deadline passed while waiting: let the transport time it out
 
     def _settle(self, lk: Lookup) -> Lookup:
         """The caller has its answer: record it, feed the breaker, hold it if it is worth holding."""
@@ -343,11 +351,10 @@ class LookupClient(Reporting):
                         f"the last token must be computed")
             lk.outcome, lk.hit_length, lk.tail_key_boundaries = ERROR, 0, ()
         lk.t_consume = now
-        if lk.evidence and lk.t_start is not None:  # refusals teach nothing: busy is no wipe
-            failed = lk.failed
-            self.breaker.record(not failed)
-            if lk.valid_until is None:
-                lk.valid_until = self.store_view.valid_until(lk)
+        outcome = lk.outcome
+        if not (lk.local or lk.refused) and lk.t_start is not None:  # refusals teach nothing: busy is no wipe
+            self.breaker.record(not (failed := outcome is ERROR or outcome is TIMEOUT))
+            lk.valid_until = lk.valid_until or self.store_view.valid_until(lk)
             if failed:
                 self.store_view.failed(lk.outcome is ERROR, lk.t_answer or now)  # the master may have restarted
             elif self.store_view.cache is not None:
@@ -355,30 +362,28 @@ class LookupClient(Reporting):
         elif lk.probe:  # a probe turned away busy says nothing: let the next one through at once
             self.breaker.probe_abandoned()
         self._open -= 1
-        self._ended(lk)
+        if self.log is not None:
+            self._ended(lk)
         if self._ev is not None:
             self._ev.consumed(lk)
-        if not lk.kept:  # failed or refused: not held, the next call asks again
+        if not (outcome is HIT or outcome is MISS):  # failed or refused: not held, the next call asks again
             del self._lookups[lk.req_id]
             return lk
         lk.held = True
         held = self._held
         held[lk.req_id] = None
         while len(held) > self.config.lookup_max_held:  # the oldest go first
-            old = next(iter(held))
-            del held[old]
-            if (gone := self._lookups.pop(old, None)) is not None:
+            if (gone := self._lookups.pop(old := next(iter(held)), None)) is not None:
                 self._dropped(gone, "evicted", forget=False)
+            del held[old]
         return lk
 
     def _drop(self, lk: Lookup) -> None:
         req_id = lk.req_id
         if self._lookups.get(req_id) is lk:
             del self._lookups[req_id]
-        if lk.held:
+        if lk.held or lk.t_consume is not None:  # answered (held, or failed and not held): counted already
             self._held.pop(req_id, None)
-            return
-        if lk.t_consume is not None:  # answered and not held (failed): already counted
             return
         self.transport.forget(lk)
         if lk.evidence and lk.t_start is not None:

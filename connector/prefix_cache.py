@@ -26,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from mooncake_lookout.connector.config import LookupConfig
-from mooncake_lookout.connector.lookup import HIT, Lookup
+from mooncake_lookout.connector.lookup import Lookup
 
 
 class PrefixCache:
@@ -192,15 +192,6 @@ class StoreView:
         if rec.valid_until is not None and now > rec.valid_until:
             return "expired"
         return None
-
-    def stale(self, lk: Lookup, now: float) -> str | None:
-        """Why the store's fresh answer to ``lk`` may not be served ``now`` (see :meth:`untrusted`), or None;
-        a hit learns until when it is trusted."""
-        if not lk.evidence or lk.t_start is None:
-            return None
-        if lk.outcome is HIT:
-            lk.valid_until = self.valid_until(lk)
-        return self.untrusted(lk, now)
 
     def remember(self, job: Lookup, hit_tokens: int) -> None:
         """The store answered ``job`` (sent in the current epoch) with ``hit_tokens``: cache its new blocks."""

@@ -71,15 +71,9 @@ _SECONDS = cat.SECONDS.key
 _BLOCKED = cat.SCHEDULER_BLOCKED_SECONDS.key
 _INTERVAL = cat.STEP_INTERVAL_SECONDS.key
 _COUNTERS = (_QUERIED, _HIT, _DEFERRALS, _LATE, _CACHE_QUERY, _CACHE_KNOWN, _CACHE_ANSWERS)
-_DISCARDED = Outcome.DISCARDED.value
+_DISCARDED, _ERROR = Outcome.DISCARDED.value, Outcome.ERROR.value
+_HIT_OUTCOME, _MISS_OUTCOME = Outcome.HIT.value, Outcome.MISS.value
 _HISTOGRAMS = (_STEPS, _QUEUE, _RPC, _SECONDS, _INTERVAL)
-
-
-def _new_step(pending: int) -> dict[str, Any]:
-    return {_REQUESTS: {}, _QUERIED: 0, _HIT: 0, _DEFERRALS: 0, _LATE: 0, _PENDING: pending,
-            _CACHE_QUERY: 0, _CACHE_KNOWN: 0, _CACHE_ANSWERS: 0,
-            _STEPS: [], _QUEUE: [], _RPC: [], _SECONDS: [], _INTERVAL: [], _BLOCKED: {}, _DROPPED: {},
-            _CACHE_CLEARS: {}}
 
 
 @dataclass
@@ -119,18 +113,18 @@ class LookoutLookupStats(KVConnectorStats):
         if steps:
             outcomes: dict[str, int] = {}
             for step in steps:
-                for outcome, n in step[_REQUESTS].items():
+                for outcome, n in step.get(_REQUESTS, {}).items():
                     outcomes[outcome] = outcomes.get(outcome, 0) + n
-            queried = sum(s[_QUERIED] for s in steps)
-            hit = sum(s[_HIT] for s in steps)
-            seconds = [v for s in steps for v in s[_SECONDS]]
+            queried = sum(s.get(_QUERIED, 0) for s in steps)
+            hit = sum(s.get(_HIT, 0) for s in steps)
+            seconds = [v for s in steps for v in s.get(_SECONDS, ())]
             reduced["lookups"] = sum(outcomes.values())
             for outcome in cat.OUTCOMES:
                 if outcomes.get(outcome):
                     reduced[f"lookup_{outcome}"] = outcomes[outcome]
             reduced["lookup_hit_token_ratio"] = round(hit / queried, 4) if queried else 0.0
-            reduced["lookup_deferrals"] = sum(s[_DEFERRALS] for s in steps)
-            reduced["lookup_pending"] = steps[-1][_PENDING]
+            reduced["lookup_deferrals"] = sum(s.get(_DEFERRALS, 0) for s in steps)
+            reduced["lookup_pending"] = steps[-1].get(_PENDING, 0)
             if seconds:
                 reduced["lookup_avg_ms"] = round(fmean(seconds) * 1e3, 3)
         upstream = {k: v for k, v in self.data.items() if k != STATS_KEY and v}
@@ -154,40 +148,50 @@ class LookupStatsCollector:
         self._late_taken = 0
 
     def take(self) -> LookoutLookupStats:
-        """This step's figures (empty when nothing happened)."""
+        """This step's figures (empty when nothing happened): only what the step has goes in its record."""
         client = self.client
         log = client.take_log()
         self.sampled = log.sampled
         late = client.transport.late_replies - self._late_taken
-        self._late_taken += late
-        if not log and not late:
+        if not (log or late):
             return LookoutLookupStats(data={})
-        step = _new_step(client.pending)
-        requests, steps, queue, rpc, seconds = step[_REQUESTS], step[_STEPS], step[_QUEUE], step[_RPC], step[_SECONDS]
-        queried = hit = cache_query = cache_known = cache_answers = 0
-        for rec in log.ended:
-            outcome = rec.outcome.value if rec.outcome is not None else Outcome.ERROR.value
-            requests[outcome] = requests.get(outcome, 0) + 1
-            if outcome == _DISCARDED:
-                continue
-            if rec.store_answered:
-                queried += rec.num_tokens
-            hit += rec.hit_length
-            if rec.countable_blocks:
-                cache_query += rec.countable_blocks
-                cache_known += rec.known_blocks
-                cache_answers += rec.from_cache
-            steps.append(rec.deferrals)
-            if (q := rec.queue_seconds) is not None:
-                queue.append(q)
-            if (r := rec.rpc_seconds) is not None:
-                rpc.append(r)
-            if (t := rec.total_seconds) is not None:
-                seconds.append(t)
-        step.update({_QUERIED: queried, _HIT: hit, _CACHE_QUERY: cache_query, _CACHE_KNOWN: cache_known,
-                     _CACHE_ANSWERS: cache_answers, _DEFERRALS: log.deferrals, _LATE: late, _DROPPED: log.dropped,
-                     _CACHE_CLEARS: log.clears, _INTERVAL: log.intervals, _HELD: client.held,
-                     _BUDGET: client.budget.in_force_s, _CACHE_BLOCKS: len(client.cache or ())})
+        self._late_taken += late
+        requests: dict[str, int] = {}
+        step: dict[str, Any] = {_REQUESTS: requests, _PENDING: client.pending, _HELD: client.held,
+                                _BUDGET: client.budget.in_force_s, _CACHE_BLOCKS: len(client.cache or ())}
+        if log.ended:
+            steps: list[int] = []
+            queue: list[float] = []
+            rpc: list[float] = []
+            seconds: list[float] = []
+            queried = hit = cache_query = cache_known = cache_answers = 0
+            for rec in log.ended:
+                outcome = rec.outcome.value if rec.outcome is not None else _ERROR
+                requests[outcome] = requests.get(outcome, 0) + 1
+                if outcome == _DISCARDED:
+                    continue
+                if outcome in (_HIT_OUTCOME, _MISS_OUTCOME):
+                    queried += rec.num_tokens
+                hit += rec.hit_length
+                if rec.countable_blocks:
+                    cache_query += rec.countable_blocks
+                    cache_known += rec.known_blocks
+                    cache_answers += rec.from_cache
+                steps.append(rec.deferrals)
+                t_start = rec.t_start
+                if t_start is not None:
+                    queue.append(t_start - rec.t_submit)
+                    if rec.t_answer is not None:
+                        rpc.append(rec.t_answer - t_start)
+                    if rec.t_consume is not None:
+                        seconds.append(rec.t_consume - rec.t_submit)
+            step.update({_STEPS: steps, _QUEUE: queue, _RPC: rpc, _SECONDS: seconds, _QUERIED: queried, _HIT: hit})
+            if cache_query:
+                step.update({_CACHE_QUERY: cache_query, _CACHE_KNOWN: cache_known, _CACHE_ANSWERS: cache_answers})
+        for key, value in ((_DEFERRALS, log.deferrals), (_LATE, late), (_DROPPED, log.dropped),
+                           (_CACHE_CLEARS, log.clears), (_INTERVAL, log.intervals)):
+            if value:
+                step[key] = value
         if log.calls:
             step[_BLOCKED] = {client.config.mode: log.calls}
         if log.breaker is not None:

@@ -139,11 +139,18 @@ class ThreadedPipelinedTransport(Transport):
         while inbox:
             item = inbox.popleft()
             kind = item[0]
-            if kind == _ANSWERS:
+            if kind == _ANSWERS:  # the common case, written out (Lookup.finish, inline)
                 _, answers, received, reply_epoch, sent_at = item
                 epoch(reply_epoch, sent_at, received)  # before its lookups finish: they were answered in it
+                on_answer = self.on_answer
                 for lk, outcome, hit, tails, error in answers:
-                    finish(lk, outcome, received, hit, tails, error)
+                    if lk.outcome is not None:
+                        self._count_late()
+                        continue
+                    lk.outcome, lk.t_answer, lk.hit_length, lk.tail_key_boundaries, lk.error = (
+                        outcome, received, hit, tails, error)
+                    if on_answer is not None:
+                        on_answer(lk)
             elif kind == _FAILED:
                 _, lookups, received, error, refused = item
                 for lk in lookups:
