@@ -27,6 +27,7 @@ class CircuitBreaker:
         self._consecutive = 0
         self._open_until: float | None = None  # None while closed
         self._probe_since: float | None = None
+        self.closed = True  # read on every lookup: a plain attribute, no call
 
     @property
     def is_open(self) -> bool:
@@ -51,6 +52,7 @@ class CircuitBreaker:
             self._consecutive = 0
             if self._open_until is not None:
                 self._open_until = self._probe_since = None
+                self.closed = True
                 logger.warning("lookup circuit breaker closed: a probe was answered, lookups go to the server again")
                 self._on_change(False)
             return
@@ -58,6 +60,7 @@ class CircuitBreaker:
         was_open = self._open_until is not None
         if was_open or self._consecutive >= self.failures:
             self._open_until = self._clock() + self.cooldown_s
+            self.closed = False
             self._probe_since = None
             if not was_open:
                 logger.warning("lookup circuit breaker OPEN after %d consecutive failures (timeouts, errors): "

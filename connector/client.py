@@ -71,6 +71,7 @@ class LookupClient(Reporting):
         self._held: dict[str, None] = {}  # requests whose answer is held, oldest first
         self._unsent: list[Lookup] = []
         self._news = transport.news  # answers a transport's own thread handed back, not applied yet
+        self._reads_socket = not transport.hands_back  # collect reads a socket itself (else: only when news came)
         # The store's epoch as answers name it (a wipe by anyone changes it) and the prefix cache under it,
         # on once the scheduler adapter says the layout allows it (prefix_cache.py).
         self.store_view = StoreView(config, self._cache_cleared)
@@ -94,8 +95,7 @@ class LookupClient(Reporting):
         return cls(config, make_transport(config, lookup_address(vllm_config, config)), observer=observer)
 
     def enable_prefix_cache(self, block_size: int) -> bool:
-        """Remember found blocks for prompts of ``block_size``-token blocks, each hash one block (the adapter
-        calls this for a layout where that holds). True if now on."""
+        """Remember found blocks of ``block_size`` tokens, a hash a block (where the layout allows); True if on."""
         return self.store_view.enable(block_size)
 
     @property
@@ -105,8 +105,7 @@ class LookupClient(Reporting):
 
     @property
     def pending(self) -> int:
-        """Lookups submitted and not yet answered to the scheduler (or discarded): what ``lookup_max_pending``
-        bounds. Answers kept for requests not yet allocated are not pending (see :attr:`held`)."""
+        """Lookups submitted, not yet answered to the scheduler nor discarded (what ``lookup_max_pending`` bounds)."""
         return self._open
 
     @property
@@ -133,23 +132,24 @@ class LookupClient(Reporting):
                 lk = None
         if not non_block or self._may_wait:  # a blocking call, or a wait budget: the general path
             return self._ask(req_id, num_tokens, block_hashes, non_block, trace_headers, now, lk)
-        # vLLM's async mode, no wait: the common cases inline (a new lookup, the step's take-in and hand-over,
-        # an answer that came, a deferral); anything else takes the general path.
+        # Async, no wait: the common cases inline (a new lookup, the step's take-in and hand-over, a deferral).
         if lk is None:
             lk = self._submit(req_id, num_tokens, block_hashes, trace_headers, now, admission=True)
-            if lk is None or lk.t_consume is not None:
-                return self._ask(req_id, num_tokens, block_hashes, True, trace_headers, now, lk)
+            if lk is None or lk.t_consume is not None:  # at the bound (the general path), or answered at once
+                return lk if lk is not None else self._ask(req_id, num_tokens, block_hashes, True, trace_headers,
+                                                           now, None)
         if not (self._stepped and self._drained_this_step):
             self._drained_this_step = True
-            self.transport.collect()
+            if self._news or self._reads_socket:
+                self.transport.collect()
             if self._unsent:
-                self._flush()
+                self._flush(now=now)
         elif self._news:
             self.transport.collect()
         elif self._unsent and not self._sent_this_step:
-            self._flush()
-        if lk.outcome is None and (lk.t_start is None or now < lk.deadline) \
-                and (lk.t_start is not None or not self.transport.stuck(lk, now)):  # type: ignore[operator]
+            self._flush(now=now)
+        deadline = lk.deadline  # None until sent
+        if lk.outcome is None and (now < deadline if deadline is not None else not self.transport.stuck(lk, now)):
             self._defer(lk)
             return None
         return self._ask(req_id, num_tokens, block_hashes, True, trace_headers, now, lk)
@@ -211,7 +211,8 @@ class LookupClient(Reporting):
 
     def end_step(self) -> None:
         """The scheduling step is over: hand over what is still unsent, refresh the next step's wait budget."""
-        self._flush()
+        if self._unsent:
+            self._flush()
         self._stepped = True
         self._sent_this_step = self._drained_this_step = False
         budget = self.budget
@@ -273,12 +274,13 @@ class LookupClient(Reporting):
             lk.sampled = self.sampler(trace_headers)
         if self._ev is not None:
             self._ev.submitted(lk)
+        breaker = self.breaker
         refused = (ERROR if self._closed else Outcome.REJECTED if self._open > self._max_pending
-                   else None if self.breaker.allow() else Outcome.BREAKER_OPEN)
+                   else None if breaker.closed or breaker.allow() else Outcome.BREAKER_OPEN)
         if refused is not None:
             lk.finish(refused, now, error=refused.value, local=True)
             return self._settle(lk)
-        lk.probe = self.breaker.is_open
+        lk.probe = not breaker.closed
         local = self.store_view.plan(lk, num_tokens, now) if self.store_view.cache is not None else None
         if local is None:
             self._unsent.append(lk)
@@ -292,21 +294,19 @@ class LookupClient(Reporting):
     def _tick(self, non_block: bool) -> None:
         """This step's take-in and hand-over, if not done yet: the first call of a step takes in every answer
         that has arrived, then hands over every lookup started since the last hand-over."""
-        if not (self._stepped and self._drained_this_step):
+        if not (self._stepped and self._drained_this_step) or self._news:  # news: answers handed back since
             self._drained_this_step = True
-            self.transport.collect()
-        elif self._news:  # answers a transport's thread handed back since: applied before deciding
             self.transport.collect()
         if self._unsent and not (self._stepped and non_block and self._sent_this_step):
             self._flush(urgent=not non_block)
 
-    def _flush(self, *, urgent: bool = False) -> None:
+    def _flush(self, *, urgent: bool = False, now: float | None = None) -> None:
         """Hand every unsent lookup to the transport, in one frame where the protocol allows."""
         lookups, self._unsent = self._unsent, []
         if not lookups:
             return
         self._sent_this_step = True
-        now = _clock()
+        now = _clock() if now is None else now
         view = self.store_view
         for lk in lookups:
             lk.t_queued = now
@@ -319,7 +319,8 @@ class LookupClient(Reporting):
                 lk.finish(ERROR, now, error="transport closed")
             return
         if self._ev is not None and self._ev.listens("started"):
-            [self._ev.started(lk) for lk in lookups if lk.outcome is None]
+            for lk in lookups:
+                self._ev.started(lk)
 
     def _await(self, lk: Lookup, non_block: bool, called: float) -> None:
         """Hand over the step's lookups if due, take in arrived answers, and wait as much as this call may."""

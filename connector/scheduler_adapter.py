@@ -86,14 +86,13 @@ class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Upstream's answer (``(None, False)`` while pending), timed as time spent blocking the scheduler."""
         t0 = time.perf_counter()
-        try:
-            if request.trace_headers and not self.lookup_config.lookup_on_admission and self.enable_lookup \
-                    and request.num_tokens >= self._lookup_align():  # started here: with the request's trace
-                self.client.start(request.request_id, request.num_tokens, request.block_hashes,
-                                  trace_headers=request.trace_headers)
-            return super().get_num_new_matched_tokens(request, num_computed_tokens)
-        finally:
-            self.client.scheduler_call(self._mode, time.perf_counter() - t0)
+        if request.trace_headers and not self.lookup_config.lookup_on_admission and self.enable_lookup \
+                and request.num_tokens >= self._lookup_align():  # started here: with the request's trace
+            self.client.start(request.request_id, request.num_tokens, request.block_hashes,
+                              trace_headers=request.trace_headers)
+        answer = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        self.client.scheduler_call(self._mode, time.perf_counter() - t0)
+        return answer
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """The answer has been used for an allocation: it need not be kept any longer."""

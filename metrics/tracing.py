@@ -182,8 +182,9 @@ def sampler_from_env(environ: Mapping[str, str] | None = None) -> Callable[[Mapp
             return True
         if root == "always_off":
             return False
-        trace_id = parent[0] if parent is not None else random.getrandbits(128)
-        return (trace_id & (_TRACE_ID_BOUND - 1)) < bound
+        if parent is None:  # a root: the id the SDK would draw is uniform, so a uniform draw decides alike
+            return random.random() < ratio
+        return (parent[0] & (_TRACE_ID_BOUND - 1)) < bound
 
     return decide
 

@@ -38,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.metrics import 
 
 from mooncake_lookout.connector.config import ConfigError, LookupConfig
 from mooncake_lookout.connector.events import LookupRecord, Outcome
+from mooncake_lookout.connector.step_log import StepLog
 from mooncake_lookout.metrics import catalogue as cat
 from mooncake_lookout.metrics.prometheus_sink import info_labels
 
@@ -148,13 +149,17 @@ class LookupStatsCollector:
         self._late_taken = 0
 
     def take(self) -> LookoutLookupStats:
-        """This step's figures (empty when nothing happened): only what the step has goes in its record."""
+        """The figures since the last record (empty when there is none): a record is made when a lookup ended or
+        something rare happened; deferrals, calls and step intervals wait in the log until then (a step that
+        only defers costs vLLM no record), so every figure reaches vLLM, in the record of a later step."""
         client = self.client
-        log = client.take_log()
-        self.sampled = log.sampled
+        log = client.log
         late = client.transport.late_replies - self._late_taken
-        if not (log or late):
-            return LookoutLookupStats(data={})
+        if log is None or not (log.ended or late or log.dropped or log.clears or log.breaker is not None):
+            self.sampled = []
+            return LookoutLookupStats(data={})  # vLLM gets none (the connector returns None for an empty one)
+        client.log = StepLog()
+        self.sampled = log.sampled
         self._late_taken += late
         requests: dict[str, int] = {}
         step: dict[str, Any] = {_REQUESTS: requests, _PENDING: client.pending, _HELD: client.held,

@@ -37,6 +37,7 @@ class Transport(abc.ABC):
     # Answers a thread of the transport's own handed back and ``collect`` has not applied yet (falsy when none;
     # a transport whose socket ``collect`` reads itself has none between calls). Read on every call: no method.
     news: Any = ()
+    hands_back = False  # a thread of the transport's own hands answers back (through ``news``)
 
     @abc.abstractmethod
     def send(self, lookups: Sequence[Lookup], *, urgent: bool = False) -> None:

@@ -59,6 +59,7 @@ class ThreadedPipelinedTransport(Transport):
     """
 
     name = "pipelined"
+    hands_back = True
 
     def __init__(self, address: str, *, timeout_s: float, on_late_reply: Callable[[], None] | None = None,
                  on_rebuild: Callable[[], None] | None = None, curve: ClientCurve | None = None,
@@ -98,7 +99,7 @@ class ThreadedPipelinedTransport(Transport):
         """Hand ``lookups`` to the I/O thread; their deadlines start now."""
         if self._closed:
             raise TransportClosed("lookup transport is closed")
-        now = _clock()
+        now = lookups[0].t_queued or _clock() if lookups else _clock()  # the client's hand-over time, read once
         for lk in lookups:
             deadline = now + lk.timeout_s
             latest = lk.latest

@@ -52,6 +52,7 @@ class UpstreamTransport(Transport):
     """
 
     name = "upstream"
+    hands_back = True
 
     def __init__(self, address: str, *, on_rebuild: Callable[[], None] | None = None) -> None:
         self.address = address
