@@ -81,10 +81,7 @@ class LookupClient(Reporting):
         self.observers.on_add = self._listen
         self._listen()
         # Until the scheduler adapter calls end_step, nothing is known of steps: every call hands over and takes in.
-        self._stepped = False
-        self._sent_this_step = False
-        self._drained_this_step = False
-        self._closed = False
+        self._stepped = self._sent_this_step = self._drained_this_step = self._closed = False
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any, *, observer: LookupObserver | None = None) -> LookupClient:
