@@ -115,7 +115,8 @@ def run(rig: ClientMaker, requests: Sequence[WorkloadRequest], *, repeats: int =
             tagged = [type(r)(f"b{i}-{r.req_id}", r.num_tokens, r.block_hashes) for r in requests]
 
             def factory(name: str = name, wiring: str = wiring) -> _Closing:
-                return _Closing(*make_client(rig, name, wiring, timeout_ms=30_000.0, max_pending=max(1024, 2 * n)))
+                return _Closing(*make_client(rig, name, wiring, timeout_ms=30_000.0, max_pending=max(1024, 2 * n),
+                                             lookup_async=True))
 
             runs.append(burst(factory, n, step_s, requests=tagged, timeout_s=60.0))
         out[label(name, wiring)] = {"seconds": statistics.median(r.seconds for r in runs),

@@ -26,18 +26,22 @@ from mooncake_lookout.connector.bench.wiring import NONE, PRODUCTION, Wired, lab
 from mooncake_lookout.connector.rigs.workload import WorkloadRequest
 
 CLIENTS = ("upstream", "ours/upstream-wire", "ours/pipelined")
+OTHER_SOCKET_OF = "ours/pipelined"
+OTHER_SOCKET = "the other socket"  # blocking on the I/O thread's socket, async on the caller's: a diagnosis
 ROUND_TRIP_FLOOR = "round-trip floor"
 TOUCH_FLOOR = "touch floor"
 SPLIT_FLOOR = "split floor"
 
 
-def make_client(rig: ClientMaker, name: str, wiring: str = PRODUCTION, **config: Any) -> tuple[Any, Callable[[], None]]:
+def make_client(rig: ClientMaker, name: str, wiring: str = PRODUCTION, *, socket: str | None = None,
+                **config: Any) -> tuple[Any, Callable[[], None]]:
     """One of :data:`CLIENTS` and the function that closes it; ours with the telemetry of ``wiring``
-    (:mod:`.wiring`), upstream's with none (it has none)."""
+    (:mod:`.wiring`), its transport as vLLM builds it for ``config`` (``lookup_async`` decides where the
+    ``pipelined`` socket lives) unless ``socket`` says; upstream's with none (it has none)."""
     if name == "upstream":
         client = rig.upstream_client()
         return client, lambda: close_upstream_client(client)
-    ours = rig.our_client(name.split("/")[1].replace("-wire", ""), (), **config)
+    ours = rig.our_client(name.split("/")[1].replace("-wire", ""), (), socket=socket, **config)
     if wiring == NONE:
         return ours, ours.close
     wired = Wired(ours, wiring)
@@ -113,8 +117,16 @@ def run(rig: ClientMaker, requests: Sequence[WorkloadRequest], floor: FloorServe
     calls first, then all asynchronous lookups.
     """
     out: dict[str, Any] = {"raw": {}}
+    # As vLLM builds ours: for blocking lookups (lookup_async off) and for async ones (lookup_async on), each with
+    # its own transport; OTHER_SOCKET rows swap where the pipelined socket lives (a diagnosis, not a target).
     clients = {label(name, wiring) if name != "upstream" else name: make_client(rig, name, wiring)
                for name in names}
+    async_clients = {row: make_client(rig, name, wiring, lookup_async=True) if name != "upstream" else clients[row]
+                     for row, name in zip(clients, names)}
+    if OTHER_SOCKET_OF in names and wiring == PRODUCTION:
+        row = f"{OTHER_SOCKET_OF}, {OTHER_SOCKET}"
+        clients[row] = make_client(rig, OTHER_SOCKET_OF, wiring, socket="io")
+        async_clients[row] = make_client(rig, OTHER_SOCKET_OF, wiring, lookup_async=True, socket="caller")
     frames = [rig.floor_frame(r) for r in requests] if floor is not None else []
     sync: dict[str, list[float]] = {name: [] for name in clients}
     first: dict[str, list[float]] = {name: [] for name in clients}
@@ -144,12 +156,12 @@ def run(rig: ClientMaker, requests: Sequence[WorkloadRequest], floor: FloorServe
                     measure = floor.touches if name == TOUCH_FLOOR else floor.splits
                     floors[name] += measure(frames[i * block:i * block + len(chunk)], step_s)
                 else:
-                    f, t, p = time_async(clients[name][0], chunk, f"async{i}", step_s)
+                    f, t, p = time_async(async_clients[name][0], chunk, f"async{i}", step_s)
                     first[name] += f
                     total[name] += t
                     polls[name] += p
     finally:
-        for _, close in clients.values():
+        for _, close in {id(c): (c, close) for c, close in [*clients.values(), *async_clients.values()]}.values():
             close()
     for name in clients:
         out[name] = {"sync_call_us": summary_us(sync[name]), "async_first_call_us": summary_us(first[name]),
@@ -164,5 +176,5 @@ def run(rig: ClientMaker, requests: Sequence[WorkloadRequest], floor: FloorServe
     return out
 
 
-__all__ = ["CLIENTS", "ROUND_TRIP_FLOOR", "SPLIT_FLOOR", "TOUCH_FLOOR", "blocks", "make_client", "run", "time_async",
-           "time_sync"]
+__all__ = ["CLIENTS", "OTHER_SOCKET", "OTHER_SOCKET_OF", "ROUND_TRIP_FLOOR", "SPLIT_FLOOR", "TOUCH_FLOOR", "blocks",
+           "make_client", "run", "time_async", "time_sync"]

@@ -298,6 +298,38 @@ def render_tuning_figures(runs: Sequence[Run]) -> str:
     return "\n".join(_table(["figure", "scenario", "measured"], rows) + ["", runs_note(runs)]) + "\n"
 
 
+# -- which thread owns the socket ---------------------------------------------------------------------------------
+
+OTHER = "ours/pipelined, the other socket"
+
+
+def render_socket_choice(runs: Sequence[Run]) -> str:
+    """docs/architecture.md's table behind the rule: each mode's cost with the socket on the caller's thread and on
+    the I/O thread, from the same runs (scenario (a): blocking p50 and async per lookup at one a step; (a4): async
+    per lookup at 16 a step), upstream's beside them."""
+    a4 = ("a4", "clients")
+
+    def a4_16(client: str) -> Figure:
+        return lambda r: get(r, *a4, client, "16", "per_lookup_us", "p50")
+
+    rows = [
+        ["blocking lookup (`lookup_async: false`), p50", "scenario (a)",
+         across(runs, _a("ours/pipelined", "sync_call_us"), unit="us"), across(runs, _a(OTHER, "sync_call_us"),
+                                                                                unit="us"),
+         across(runs, _a("upstream", "sync_call_us"), unit="us")],
+        ["async, one lookup a step: cost per lookup, p50", "scenario (a)",
+         across(runs, _a(OTHER, "async_per_lookup_us"), unit="us"),
+         across(runs, _a("ours/pipelined", "async_per_lookup_us"), unit="us"),
+         across(runs, _a("upstream", "async_per_lookup_us"), unit="us")],
+        ["async, 16 lookups a step: cost per lookup, p50", "scenario (a4)",
+         across(runs, a4_16(OTHER), unit="us"), across(runs, a4_16("ours/pipelined"), unit="us"),
+         across(runs, a4_16("upstream"), unit="us")],
+    ]
+    return "\n".join(_table(["what the scheduler's thread pays", "measured in", "socket on the caller's thread",
+                             "socket on the I/O thread", "upstream (its executor thread)"], rows)
+                     + ["", runs_note(runs)]) + "\n"
+
+
 # -- every scenario, run by run --------------------------------------------------------------------------------
 
 def _scenario_a(runs: Sequence[Run]) -> list[str]:

@@ -89,6 +89,8 @@ class _Filled:
 class _Off:
     """No telemetry: vLLM's stats hook gets an empty record, and the client keeps no step log."""
 
+    tracer = None
+
     def take(self) -> Any:
         from mooncake_lookout.metrics.vllm_stats import LookoutLookupStats
 
@@ -130,7 +132,7 @@ def _handle(servers: _Servers, variant: str, command: dict[str, Any]) -> dict[st
         raise RuntimeError("telemetry as deployed: no stats record reached vLLM, or tracing did not start")
     return {"variant": variant, "schedule_s": run.schedule_seconds, "schedule_us": summary_us(run.schedule_seconds),
             "requests": run.requests, "finished": run.finished, "stats_records": stats_records,
-            "tracing": adapter.tracer is not None}
+            "tracing": adapter.telemetry.tracer is not None}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from mooncake_lookout.connector.bench.call import make_client
+from mooncake_lookout.connector.bench.call import OTHER_SOCKET, OTHER_SOCKET_OF, make_client
 from mooncake_lookout.connector.bench.rig import ClientMaker, summary_us
 from mooncake_lookout.connector.bench.wiring import PRODUCTION, label
 from mooncake_lookout.connector.rigs.workload import WorkloadRequest
@@ -83,8 +83,11 @@ def run(rig: ClientMaker, requests: Sequence[WorkloadRequest], *, ks: Sequence[i
     """Scenario (a4): ``rounds`` rounds per k and client of ``names`` (ours wired as ``wiring``, its rows named by
     :func:`.wiring.label`); per-lookup cost in microseconds."""
     pending = max(1024, 2 * max(ks))
-    clients = {label(name, wiring): make_client(rig, name, wiring, max_pending=pending)
+    clients = {label(name, wiring): make_client(rig, name, wiring, max_pending=pending, lookup_async=True)
                if name != "upstream" else make_client(rig, name) for name in names}
+    if OTHER_SOCKET_OF in names and wiring == PRODUCTION:  # async on the caller's socket: a diagnosis
+        clients[f"{OTHER_SOCKET_OF}, {OTHER_SOCKET}"] = make_client(rig, OTHER_SOCKET_OF, wiring, max_pending=pending,
+                                                                     lookup_async=True, socket="caller")
     per_lookup: dict[str, dict[int, list[float]]] = {name: {k: [] for k in ks} for name in clients}
     steps: dict[str, dict[int, list[int]]] = {name: {k: [] for k in ks} for name in clients}
     hits: dict[str, dict[int, int]] = {name: {k: 0 for k in ks} for name in clients}

@@ -22,6 +22,7 @@ transport. :func:`token_prompts` gives token prompts with shared prefixes for vL
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import statistics
@@ -120,14 +121,23 @@ class ClientMaker:
         """Where a client of ``transport`` connects: vLLM's server for upstream, ours for pipelined."""
         return self.addresses[transport]
 
-    def our_client(self, transport: str, observers: Iterable[LookupObserver] = (), **config: Any) -> Any:
-        """Our ``LookupClient`` over ``transport`` with ``config`` keys (``lookup_`` prefix optional)."""
+    def our_client(self, transport: str, observers: Iterable[LookupObserver] = (), *, socket: str | None = None,
+                   **config: Any) -> Any:
+        """Our ``LookupClient`` over ``transport`` with ``config`` keys (``lookup_`` prefix optional), the transport
+        as vLLM's connector builds it for that config; ``socket`` (``caller`` or ``io``) forces where the
+        ``pipelined`` socket lives instead (a diagnosis: docs/architecture.md)."""
         from mooncake_lookout.connector.client import LookupClient
         from mooncake_lookout.connector.transport import make_transport
 
         keys = {(k if k.startswith("lookup_") else "lookup_" + k): v for k, v in config.items()}
         cfg = LookupConfig(lookup_transport=transport, **keys)
-        return LookupClient(cfg, make_transport(cfg, self.address(transport)), observer=ObserverSet(list(observers)))
+        if socket is not None:
+            cfg = dataclasses.replace(cfg, lookup_async=socket == "io")  # make_transport picks by the mode
+            wire = make_transport(cfg, self.address(transport))
+            cfg = LookupConfig(lookup_transport=transport, **keys)
+        else:
+            wire = make_transport(cfg, self.address(transport))
+        return LookupClient(cfg, wire, observer=ObserverSet(list(observers)))
 
 
 class Rig(ClientMaker):

@@ -74,7 +74,8 @@ def format_table(runs: Sequence[Any], *, prefix_cache: bool = False) -> str:
 
 
 def _blocked(r: Any) -> float:
-    return float(r.as_dict()["blocked_per_step_us"].get("mean", float("nan")))
+    """The mean blocked time per step as the table shows it (one decimal), so the reading rounds what a user sees."""
+    return round(float(r.as_dict()["blocked_per_step_us"].get("mean", float("nan"))), 1)
 
 
 def reading(runs: Sequence[Any]) -> list[str]:

@@ -17,7 +17,8 @@ this module rewrites each (or, with ``--check``, lists the stale ones and exits 
   anything, from the ``demo`` subcommand's parser;
 * the measured figures, from the committed bench runs ``docs/bench/run-N.json`` (one or more ``bench.json``
   files, :mod:`~mooncake_lookout.connector.bench.records`, rendered by
-  :mod:`~mooncake_lookout.connector.bench.doc_tables`): ``bench-guarantees`` (docs/reliability.md),
+  :mod:`~mooncake_lookout.connector.bench.doc_tables`): ``socket-choice`` (docs/architecture.md),
+  ``bench-guarantees`` (docs/reliability.md),
   ``bench-source``, ``bench-modes``, ``bench-figures`` and ``bench-multi-turn`` (docs/tuning.md), ``bench-runs``,
   ``bench-targets``, ``bench-targets-per-run``, ``bench-scenarios``, ``bench-reports`` and ``bench-fleet``
   (docs/bench-results.md), ``bench-sizing`` (docs/operations.md) and ``bench-fleet-helm`` (docs/helm.md), the last
@@ -314,6 +315,7 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/helm.md", "values-table",
           lambda root: render_values_table(json.loads((root / VALUES_SCHEMA).read_text()))),
     Block("docs/architecture.md", "package-graph", lambda root: render_package_graph()),
+    Block("docs/architecture.md", "socket-choice", _bench(doc_tables.render_socket_choice)),
     Block("README.md", "vllm-versions", lambda root: render_vllm_versions()),
     Block("scripts/demo-help.txt", "", lambda root: render_demo_help()),
     Block("README.md", "demo-output", lambda root: doc_tables.render_demo(load_demo(root))),
