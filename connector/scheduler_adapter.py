@@ -10,10 +10,11 @@ how a lookup is started, waited for, timed and forgotten:
   ``on_new_request`` are timed as time the scheduler spent in the lookup path (``scheduler_call`` events);
 * an answer is kept until the request is allocated, so a failed allocation costs no second round trip;
 * lookups of finished, aborted and preempted requests are discarded.
-* telemetry costs the scheduler an append per lookup: vLLM's stats record is made from the client's step log
-  once per step (:meth:`take_stats`), and spans only for lookups the ``OTEL_TRACES_SAMPLER`` keeps (the
-  request's ``trace_headers`` ride on its lookup, so its span joins the request's trace), built on a thread of
-  their own from each step's sampled lookups, handed over at once.
+* telemetry costs the scheduler an append per lookup: vLLM's stats record is wrapped from the client's step log
+  at most every ``RECORD_EVERY_S`` (metrics/vllm_stats.py), and at once when the last request vLLM holds
+  finishes (the engine may then go idle, and an idle engine asks for no record); spans only for lookups the
+  ``OTEL_TRACES_SAMPLER`` keeps (the request's ``trace_headers`` ride on its lookup, so its span joins the
+  request's trace), built on a thread of their own, handed over with each record.
 """
 
 from __future__ import annotations
@@ -64,17 +65,19 @@ class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
             self.client.enable_prefix_cache(self._block_size)
         self.observers = self.client.observers
         self._mode = config.mode
-        # vLLM's stats pipeline (served on vLLM's own /metrics), from the client's step log once a step, and, if
-        # OTEL_* asks for it, spans for the lookups the sampler keeps, built on a thread of their own.
+        # vLLM's stats pipeline (served on vLLM's own /metrics), from the client's step log, and, if OTEL_* asks
+        # for it, spans for the lookups the sampler keeps, built on a thread of their own.
         from mooncake_lookout.metrics.deployed import DeployedTelemetry
 
         self.telemetry = DeployedTelemetry.from_env(self.client)
+        self._unfinished: set[str] = set()  # requests vLLM has and has not finished: none left, a record at once
 
     def _lookup_align(self) -> int:
         return self._hash_block_size if self.enable_partial_hash_hits else self._block_size
 
     def on_new_request(self, request: Any) -> None:
         """Start the lookup at admission, so its answer is usually ready by the first scheduling attempt."""
+        self._unfinished.add(request.request_id)
         if not (self.lookup_config.lookup_on_admission and self.enable_lookup
                 and request.num_tokens >= self._lookup_align()):
             return
@@ -110,11 +113,13 @@ class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
     def request_finished(self, request: Any) -> None:
         """A finished or aborted request: drop its lookup, sent or not."""
         self.client.discard(request.request_id)
+        self._unfinished.discard(request.request_id)
 
     def take_stats(self) -> Any:
-        """This step's lookup figures for vLLM's stats pipeline (called once per step); the step's sampled lookups
-        go to the tracing thread in one hand-over."""
-        return self.telemetry.take()
+        """The lookup figures for vLLM's stats pipeline, or ``None`` (called once per step): vLLM finishes requests
+        before it asks, so with none left this is the engine's last step before it idles, and the record is made
+        now rather than at the next request."""
+        return self.telemetry.take(flush=not self._unfinished)
 
     def close(self) -> None:
         """Stop the lookup client and its transport, then flush spans."""

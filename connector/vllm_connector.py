@@ -73,8 +73,7 @@ class LookoutMooncakeStoreConnector(MooncakeStoreConnector):
     def get_kv_connector_stats(self) -> Any:
         """Scheduler role: this step's lookup figures; worker role: upstream's store-operation stats."""
         if isinstance(self.connector_scheduler, LookoutMooncakeStoreScheduler):
-            stats = self.connector_scheduler.take_stats()
-            return None if stats.is_empty() else stats
+            return self.connector_scheduler.take_stats()  # None for a step with nothing to report
         return super().get_kv_connector_stats()
 
     @classmethod

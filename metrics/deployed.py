@@ -1,13 +1,14 @@
 """The telemetry a deployment runs beside the scheduler: one definition, for vLLM's adapter and for the bench.
 
-* vLLM's stats: once per step, :class:`~.vllm_stats.LookupStatsCollector` turns the client's step log into
-  vLLM's stats record (vLLM serves it on its own ``/metrics``);
+* vLLM's stats: :class:`~.vllm_stats.LookupStatsCollector` wraps the client's step log into vLLM's stats record
+  at most every ``RECORD_EVERY_S`` and when the engine is about to go idle (vLLM serves it on its own
+  ``/metrics``);
 * spans, when ``OTEL_*`` turns them on: the client samples each lookup when it starts
   (:func:`~.tracing.sampler_from_env`: ``OTEL_TRACES_SAMPLER``, the request's own trace flags), and each
   step's sampled lookups go to a thread of their own at once, which builds their spans and exports them.
 
-What it costs the scheduler's thread: an append per lookup that ends (the step log), the step's record once a
-step, and one queue put a step for spans. Nothing runs per event.
+What it costs the scheduler's thread: an append per lookup that ends (the step log), a clock read a step, and
+a raw record and one queue put for spans per ``RECORD_EVERY_S``. Nothing runs per event.
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ class DeployedTelemetry:
         """Spans as ``OTEL_*`` sets them (off when it does not ask for them)."""
         return cls(client, tracing_observer_from_env())
 
-    def take(self) -> LookoutLookupStats:
-        """The step's stats record for vLLM (once a step); the step's sampled lookups go to the tracing thread."""
-        stats = self.stats.take()
+    def take(self, flush: bool = False) -> LookoutLookupStats | None:
+        """vLLM's stats record, or ``None`` (called once a step; a record at most every ``RECORD_EVERY_S``, or
+        at once with ``flush``); the lookups it ends that were sampled go to the tracing thread."""
+        stats = self.stats.take(flush)
         if self._spans is not None and self.stats.sampled:
             self._spans.call(self.tracer.record_many, self.stats.sampled)  # type: ignore[union-attr]
         return stats

@@ -3,14 +3,18 @@
 How the figures travel (vLLM 0.33):
 
 1. The client keeps a log of the step (the lookups that ended, the deferrals: an append each); the
-   connector's ``get_kv_connector_stats()`` calls :meth:`LookupStatsCollector.take` once per step, which turns
-   the log into one step record and hands vLLM a :class:`LookoutLookupStats`.
+   connector's ``get_kv_connector_stats()`` calls :meth:`LookupStatsCollector.take` once per step, which at
+   most every :data:`RECORD_EVERY_S` (and at once when the engine is about to go idle) wraps the log, raw, into
+   one record (a row of :data:`LOOKUP_ROW` per lookup) and hands vLLM a :class:`LookoutLookupStats`. Nothing
+   is counted or bucketed on the scheduler's thread.
 2. vLLM's scheduler aggregates it with the workers' stats (upstream's ``MooncakeStoreConnectorStats``),
-   calls ``to_dict()`` and ships the dict to the API server (msgpack or pickle). So ``data`` holds only
-   plain ``dict``/``list``/``str``/``int``/``float``, and every value in it is a list: upstream's
+   calls ``to_dict()`` and ships the dict to the API server (msgpack or pickle, on vLLM's output thread). So
+   ``data`` holds only ``dict``/``list``/``tuple``/``str``/``int``/``float``/``None`` (an outcome is a ``str``
+   enum; tuples and enums arrive as lists and strings), and every value in it is a list: upstream's
    ``aggregate`` (``setdefault(key, []).extend(...)``) then merges ours without loss, and so does ours.
 3. On the API server the connector's ``build_prom_metrics`` returns :class:`LookoutPromMetrics`, whose
-   ``observe`` records each step into families named by :mod:`.catalogue`, labelled with vLLM's
+   ``observe`` turns each raw record into the step's figures (:func:`step_figures`) and records them into
+   families named by :mod:`.catalogue`, labelled with vLLM's
    ``model_name`` and ``engine``. Upstream's store-operation records in the same payload go on to
    upstream's ``MooncakeStorePromMetrics``, so replacing the connector loses none of its metrics.
 
@@ -21,7 +25,10 @@ its thread), never a shared structure. No lock anywhere.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from statistics import fmean
 from typing import Any
 
@@ -75,6 +82,14 @@ _COUNTERS = (_QUERIED, _HIT, _DEFERRALS, _LATE, _CACHE_QUERY, _CACHE_KNOWN, _CAC
 _DISCARDED, _ERROR = Outcome.DISCARDED.value, Outcome.ERROR.value
 _HIT_OUTCOME, _MISS_OUTCOME = Outcome.HIT.value, Outcome.MISS.value
 _HISTOGRAMS = (_STEPS, _QUEUE, _RPC, _SECONDS, _INTERVAL)
+# A raw step record's lookups: one row each, these fields of the lookup in this order (step_figures reads them).
+_LOOKUPS = "lookups"
+LOOKUP_ROW = ("outcome", "num_tokens", "hit_length", "countable_blocks", "known_blocks", "from_cache", "deferrals",
+              "t_submit", "t_start", "t_answer", "t_consume")
+_row = attrgetter(*LOOKUP_ROW)
+# How often the scheduler's thread wraps its log into a record for vLLM, at most (and when the engine goes idle).
+RECORD_EVERY_S = 0.1
+_clock = time.monotonic
 
 
 @dataclass
@@ -104,8 +119,8 @@ class LookoutLookupStats(KVConnectorStats):
         return self
 
     def lookup_steps(self) -> list[dict[str, Any]]:
-        """Our step records, oldest first."""
-        return self.data.get(STATS_KEY, [])
+        """Our steps' figures (:func:`step_figures` of each raw record), oldest first."""
+        return [step_figures(raw) for raw in self.data.get(STATS_KEY, [])]
 
     def reduce(self) -> dict[str, int | float]:
         """One summary line per logging interval: lookups, outcomes, hit ratio, deferrals, mean latency."""
@@ -135,73 +150,96 @@ class LookoutLookupStats(KVConnectorStats):
 
 
 class LookupStatsCollector:
-    """Turns the client's step log into vLLM's stats record, once per step (:meth:`take`, on the scheduler's thread).
+    """Turns the client's step log into vLLM's stats record (:meth:`take`, called once per step on the scheduler's
+    thread), at most every ``every_s`` seconds: a record per step would cost the scheduler's thread more than the
+    lookup itself at one lookup a step, for figures Prometheus scrapes every few seconds.
 
     The client keeps the log (connector/step_log.py: the lookups that ended, the deferrals, the calls' times);
-    the work of turning it into counters and lists is done here, once a step, not on each event. The lookups
-    to trace (``sampled``) are kept from the last log taken, for the adapter to hand to the tracing thread.
+    nothing is lost between records, only wrapped later. The lookups to trace (``sampled``) are kept from the
+    last log taken, for the adapter to hand to the tracing thread.
     """
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, every_s: float | None = None) -> None:
         self.client = client
         client.take_log()  # the client keeps its log from now on
-        self.sampled: list[LookupRecord] = []
+        self.every_s = RECORD_EVERY_S if every_s is None else every_s
+        self.sampled: Sequence[LookupRecord] = ()
         self._late_taken = 0
+        self._mode = client.config.mode
+        self._due = 0.0  # the first step with something to report makes a record
 
-    def take(self) -> LookoutLookupStats:
-        """The figures since the last record (empty when there is none): a record is made when a lookup ended or
-        something rare happened; deferrals, calls and step intervals wait in the log until then (a step that
-        only defers costs vLLM no record), so every figure reaches vLLM, in the record of a later step."""
+    def take(self, flush: bool = False) -> LookoutLookupStats | None:
+        """The figures since the last record, or ``None`` (vLLM's "nothing this step"): none to report, or the
+        last record is younger than ``every_s`` and ``flush`` (the engine is about to go idle) was not asked.
+
+        The record is raw (:data:`LOOKUP_ROW` per lookup, the log's lists as they are): counting, summing and
+        bucketing happen where vLLM reads it (:func:`step_figures`, in the API server), not on this thread."""
         client = self.client
         log = client.log
+        now = _clock()
+        if log is None or not (flush or now >= self._due):
+            self.sampled = ()
+            return None
         late = client.transport.late_replies - self._late_taken
-        if log is None or not (log.ended or late or log.dropped or log.clears or log.breaker is not None):
-            self.sampled = []
-            return LookoutLookupStats(data={})  # vLLM gets none (the connector returns None for an empty one)
+        if not (log or late):
+            self.sampled = ()
+            return None
         client.log = StepLog()
+        self._due = now + self.every_s
         self.sampled = log.sampled
         self._late_taken += late
-        requests: dict[str, int] = {}
-        step: dict[str, Any] = {_REQUESTS: requests, _PENDING: client.pending, _HELD: client.held,
-                                _BUDGET: client.budget.in_force_s, _CACHE_BLOCKS: len(client.cache or ())}
-        if log.ended:
-            steps: list[int] = []
-            queue: list[float] = []
-            rpc: list[float] = []
-            seconds: list[float] = []
-            queried = hit = cache_query = cache_known = cache_answers = 0
-            for rec in log.ended:
-                outcome = rec.outcome.value if rec.outcome is not None else _ERROR
-                requests[outcome] = requests.get(outcome, 0) + 1
-                if outcome == _DISCARDED:
-                    continue
-                if outcome in (_HIT_OUTCOME, _MISS_OUTCOME):
-                    queried += rec.num_tokens
-                hit += rec.hit_length
-                if rec.countable_blocks:
-                    cache_query += rec.countable_blocks
-                    cache_known += rec.known_blocks
-                    cache_answers += rec.from_cache
-                steps.append(rec.deferrals)
-                t_start = rec.t_start
-                if t_start is not None:
-                    queue.append(t_start - rec.t_submit)
-                    if rec.t_answer is not None:
-                        rpc.append(rec.t_answer - t_start)
-                    if rec.t_consume is not None:
-                        seconds.append(rec.t_consume - rec.t_submit)
-            step.update({_STEPS: steps, _QUEUE: queue, _RPC: rpc, _SECONDS: seconds, _QUERIED: queried, _HIT: hit})
-            if cache_query:
-                step.update({_CACHE_QUERY: cache_query, _CACHE_KNOWN: cache_known, _CACHE_ANSWERS: cache_answers})
-        for key, value in ((_DEFERRALS, log.deferrals), (_LATE, late), (_DROPPED, log.dropped),
-                           (_CACHE_CLEARS, log.clears), (_INTERVAL, log.intervals)):
-            if value:
-                step[key] = value
-        if log.calls:
-            step[_BLOCKED] = {client.config.mode: log.calls}
-        if log.breaker is not None:
-            step[_BREAKER] = 1 if log.breaker else 0
-        return LookoutLookupStats(data={STATS_KEY: [step]})
+        return LookoutLookupStats(data={STATS_KEY: [{
+            _LOOKUPS: list(map(_row, log.ended)), _PENDING: client.pending, _HELD: client.held,
+            _BUDGET: client.budget.in_force_s, _CACHE_BLOCKS: len(client.cache or ()), _DEFERRALS: log.deferrals,
+            _LATE: late, _DROPPED: log.dropped, _CACHE_CLEARS: log.clears, _INTERVAL: log.intervals,
+            _BLOCKED: {self._mode: log.calls}, _BREAKER: log.breaker}]})
+
+
+def step_figures(raw: dict[str, Any]) -> dict[str, Any]:
+    """One step's figures from its raw record: outcomes counted, tokens summed, the lookups' times as the
+    histograms' observations; the gauges as they were; a counter, list or change only when it has something."""
+    step: dict[str, Any] = {key: raw[key] for key in (_PENDING, _HELD, _BUDGET, _CACHE_BLOCKS)}
+    requests: dict[str, int] = {}
+    step[_REQUESTS] = requests
+    rows = raw[_LOOKUPS]
+    if rows:
+        steps: list[int] = []
+        queue: list[float] = []
+        rpc: list[float] = []
+        seconds: list[float] = []
+        queried = hit = cache_query = cache_known = cache_answers = 0
+        for outcome, num_tokens, hit_length, countable, known, from_cache, deferrals, t_submit, t_start, t_answer, \
+                t_consume in rows:
+            # An Outcome before the wire, its value (a str) after it: the label is the value either way.
+            outcome = _ERROR if outcome is None else getattr(outcome, "value", outcome)
+            requests[outcome] = requests.get(outcome, 0) + 1
+            if outcome == _DISCARDED:
+                continue
+            if outcome in (_HIT_OUTCOME, _MISS_OUTCOME):
+                queried += num_tokens
+            hit += hit_length
+            if countable:
+                cache_query += countable
+                cache_known += known
+                cache_answers += from_cache
+            steps.append(deferrals)
+            if t_start is not None:
+                queue.append(t_start - t_submit)
+                if t_answer is not None:
+                    rpc.append(t_answer - t_start)
+                if t_consume is not None:
+                    seconds.append(t_consume - t_submit)
+        step.update({_STEPS: steps, _QUEUE: queue, _RPC: rpc, _SECONDS: seconds, _QUERIED: queried, _HIT: hit})
+        if cache_query:
+            step.update({_CACHE_QUERY: cache_query, _CACHE_KNOWN: cache_known, _CACHE_ANSWERS: cache_answers})
+    for key in (_DEFERRALS, _LATE, _DROPPED, _CACHE_CLEARS, _INTERVAL):
+        if raw[key]:
+            step[key] = raw[key]
+    if any(raw[_BLOCKED].values()):
+        step[_BLOCKED] = raw[_BLOCKED]
+    if raw[_BREAKER] is not None:
+        step[_BREAKER] = 1 if raw[_BREAKER] else 0
+    return step
 
 
 class LookoutPromMetrics(KVConnectorPromMetrics):
@@ -270,8 +308,8 @@ class LookoutPromMetrics(KVConnectorPromMetrics):
         upstream: dict[str, Any] = {}
         for key, records in transfer_stats_data.items():
             if key == STATS_KEY:
-                for step in records:
-                    self._observe_step(step, engine_idx)
+                for raw in records:
+                    self._observe_step(step_figures(raw), engine_idx)
             elif records:
                 upstream[key] = records
         if upstream and self._store is not None:
@@ -316,6 +354,6 @@ def build_prom_metrics(vllm_config: Any, metric_types: dict[type[PromMetric], ty
 
 
 __all__ = [
-    "LookoutLookupStats", "LookoutPromMetrics", "LookupStatsCollector", "STATS_KEY", "build_kv_connector_stats",
-    "build_prom_metrics",
+    "LOOKUP_ROW", "RECORD_EVERY_S", "LookoutLookupStats", "LookoutPromMetrics", "LookupStatsCollector", "STATS_KEY",
+    "build_kv_connector_stats", "build_prom_metrics", "step_figures",
 ]

@@ -98,6 +98,21 @@ class World:
     writer: Any  # the test's own client: fills the store (prefill saves), evicts, wipes as another instance
     server_store: Any  # our lookup server's client (it puts the epoch marker, so a writer too)
 
+    def wait_writable(self, bound_s: float = 30.0) -> None:
+        """Return once both clients can write: after a master restart (the example before may have ended with
+        one) they reconnect within a second or two, and a path started earlier would find its seed refused."""
+        end = time.monotonic() + bound_s
+        for client in (self.writer, self.server_store):
+            probe = PrefixIndex(client, BLOCK, f"ready-{uuid.uuid4().hex[:10]}")
+            while True:
+                try:
+                    probe.store_prefixes([[bytes(32)]])
+                    probe.remove_all(force=True)
+                    break
+                except StoreError:
+                    assert time.monotonic() < end, f"the store took no write within {bound_s:g} s"
+                    time.sleep(0.1)
+
 
 @pytest.fixture(scope="module")
 def world() -> Iterator[World]:
@@ -194,6 +209,7 @@ class LookupPath(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
+        self.world.wait_writable()
         self.namespace = f"p-{uuid.uuid4().hex[:10]}"
         self.store = RecordingStore(self.world.server_store)
         self.index = PrefixIndex(self.store, BLOCK, self.namespace)

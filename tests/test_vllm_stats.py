@@ -66,8 +66,8 @@ def _answer(client: LookupClient, req_id: str, hashes: list[bytes], bound_s: flo
 
 def test_collector_makes_one_record_a_step_from_the_clients_log(client: LookupClient, prefix_index: Any,
                                                                make_hashes: Any) -> None:
-    collector = LookupStatsCollector(client)
-    assert collector.take().is_empty()  # a quiet step ships nothing
+    collector = LookupStatsCollector(client, every_s=0)  # a record whenever there is something
+    assert collector.take() is None  # a quiet step ships nothing
     hit = make_hashes(4, seed=31)
     prefix_index.store_prefixes([hit[:3]])
     client.start("a", 4 * BLOCK + 1, hit, admission=True)
@@ -77,16 +77,40 @@ def test_collector_makes_one_record_a_step_from_the_clients_log(client: LookupCl
     client.start("b", 2 * BLOCK + 1, make_hashes(2, seed=32), admission=True)  # still pending at the step's end
     [s] = collector.take().lookup_steps()
     assert s[cat.REQUESTS.key] == {"hit": 1}
+    assert [type(k) for k in s[cat.REQUESTS.key]] == [str]  # a label value ("hit"), not the enum ("Outcome.HIT")
     assert s[cat.QUERIED_TOKENS.key] == 4 * BLOCK + 1 and s[cat.HIT_TOKENS.key] == 3 * BLOCK
     assert s[cat.DEFERRALS.key] == answer.deferrals and s[cat.DEFERRED_STEPS.key] == [answer.deferrals]
     assert s[cat.PENDING.key] == 1 and s[cat.HELD.key] == 1
     assert s[cat.RPC_SECONDS.key] == [pytest.approx(answer.rpc_seconds)]
     assert s[cat.SCHEDULER_BLOCKED_SECONDS.key] == {"async": [3e-5]}
-    assert len(s[cat.STEP_INTERVAL_SECONDS.key]) == answer.deferrals - 1  # one per step after the first
+    assert len(s.get(cat.STEP_INTERVAL_SECONDS.key, [])) == answer.deferrals - 1  # one a step after the first
     client.discard("b")
     [s2] = collector.take().lookup_steps()
     assert s2[cat.REQUESTS.key] == {"discarded": 1} and s2[cat.PENDING.key] == 0
     assert cat.BREAKER_OPEN.key not in s2  # a gauge travels only when it changed
+
+
+def test_records_come_at_most_every_interval_and_lose_nothing(client: LookupClient, prefix_index: Any,
+                                                              make_hashes: Any) -> None:
+    """Between records the log keeps growing; ``flush`` (the engine about to idle) or the interval's end wraps it
+    all, so every lookup reaches vLLM exactly once."""
+    collector = LookupStatsCollector(client, every_s=3600)
+    hashes = {f"r{i}": make_hashes(2, seed=60 + i) for i in range(3)}
+    _answer(client, "r0", hashes["r0"])
+    [first] = collector.take().lookup_steps()  # the first record comes at once
+    _answer(client, "r1", hashes["r1"])
+    assert collector.take() is None  # within the interval: kept
+    _answer(client, "r2", hashes["r2"])
+    assert collector.take() is None
+    [flushed] = collector.take(flush=True).lookup_steps()
+    assert first[cat.REQUESTS.key] == {"miss": 1} and flushed[cat.REQUESTS.key] == {"miss": 2}
+    assert flushed[cat.DEFERRALS.key] >= 2  # both lookups' deferrals, kept across the steps
+    assert collector.take(flush=True) is None  # nothing new: nothing to send
+    due = LookupStatsCollector(client, every_s=0.05)
+    client.start("r3", 2 * BLOCK + 1, make_hashes(2, seed=63), admission=True)
+    client.end_step()  # a step interval, in the log until a record
+    time.sleep(0.06)  # past the interval: a record with what the log has (memory stays bounded)
+    assert due.take() is not None
 
 
 def test_late_replies_and_the_breaker_reach_the_record(tmp_path: Any) -> None:
@@ -103,7 +127,7 @@ def test_late_replies_and_the_breaker_reach_the_record(tmp_path: Any) -> None:
     router.bind(address)
     config = LookupConfig(lookup_async=True, lookup_timeout_ms=50, lookup_breaker_failures=1)
     client = LookupClient(config, make_transport(config, address))
-    collector = LookupStatsCollector(client)
+    collector = LookupStatsCollector(client, every_s=0)
     try:
         hashes = [bytes([7]) * 32] * 2
         assert client.lookup("a", 33, hashes, non_block=True) is None
@@ -121,7 +145,7 @@ def test_late_replies_and_the_breaker_reach_the_record(tmp_path: Any) -> None:
         [s] = collector.take().lookup_steps()
         assert s[cat.LATE_REPLIES.key] == 1 and s[cat.REQUESTS.key] == {"timeout": 1}
         assert s[cat.BREAKER_OPEN.key] == 1
-        assert collector.take().is_empty()  # counted once
+        assert collector.take() is None  # counted once
     finally:
         client.close()
         ctx.destroy(linger=0)
@@ -135,15 +159,17 @@ def _one_step(client: LookupClient, prefix_index: Any, make_hashes: Any, seed: i
 
 
 def test_payload_survives_vllm_wire_formats(client: LookupClient, prefix_index: Any, make_hashes: Any) -> None:
-    collector = LookupStatsCollector(client)
+    collector = LookupStatsCollector(client, every_s=0)
     _one_step(client, prefix_index, make_hashes, 41, 0)
     _one_step(client, prefix_index, make_hashes, 42, 2)
     client.scheduler_call("budget", 1e-4)
     payload = collector.take().to_dict()
     stats = SchedulerStats(kv_connector_stats=payload)
     decoded = MsgpackDecoder(SchedulerStats).decode(MsgpackEncoder().encode(stats))
-    assert decoded.kv_connector_stats == payload
-    assert pickle.loads(pickle.dumps(payload)) == payload
+    sent = LookoutLookupStats(data=payload).lookup_steps()
+    assert LookoutLookupStats(data=decoded.kv_connector_stats).lookup_steps() == sent  # rows arrive as lists
+    assert LookoutLookupStats(data=pickle.loads(pickle.dumps(payload))).lookup_steps() == sent
+    assert sent[0][cat.REQUESTS.key] == {"hit": 1, "miss": 1}
     reduced = LookoutLookupStats(data=decoded.kv_connector_stats).reduce()
     assert reduced["lookup_miss"] == 1 and reduced["lookup_hit"] == 1
 
@@ -152,7 +178,7 @@ def test_payload_survives_vllm_wire_formats(client: LookupClient, prefix_index: 
 def test_aggregates_with_upstream_worker_stats_either_way(client: LookupClient, prefix_index: Any,
                                                           make_hashes: Any, ours_first: bool) -> None:
     """vLLM calls ``worker_stats.aggregate(scheduler_stats)``: upstream's class must keep our records too."""
-    collector = LookupStatsCollector(client)
+    collector = LookupStatsCollector(client, every_s=0)
     _one_step(client, prefix_index, make_hashes, 51, 1)
     ours: KVConnectorStats = collector.take()
     upstream = MooncakeStoreConnectorStats()
@@ -239,8 +265,14 @@ def _wrap_upstream() -> MooncakeStoreConnectorStats:
 # -- vLLM's real scheduler, the wire and vLLM's PrometheusStatLogger ----------------------------------------
 
 def test_scheduler_stats_reach_vllm_prometheus_logger(prefix_index: Any, lookup_server: Any,
-                                                      promtool: Any) -> None:
+                                                      promtool: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every lookup reaches vLLM's logger by the end of the run: with records an hour apart, only the first and the
+    one made when the last request finished (the engine would idle after it) can carry them."""
     from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    from mooncake_lookout.metrics import vllm_stats
+
+    monkeypatch.setattr(vllm_stats, "RECORD_EVERY_S", 3600.0)
     from vllm.v1.outputs import ModelRunnerOutput
 
     from mooncake_lookout.connector.rigs.scheduler_driver import SchedulerDriver, make_vllm_config

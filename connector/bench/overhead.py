@@ -87,14 +87,12 @@ class _Filled:
 
 
 class _Off:
-    """No telemetry: vLLM's stats hook gets an empty record, and the client keeps no step log."""
+    """No telemetry: vLLM's stats hook gets nothing, and the client keeps no step log."""
 
     tracer = None
 
-    def take(self) -> Any:
-        from mooncake_lookout.metrics.vllm_stats import LookoutLookupStats
-
-        return LookoutLookupStats(data={})
+    def take(self) -> None:
+        return None
 
     def close(self) -> None:
         pass

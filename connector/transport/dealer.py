@@ -28,7 +28,7 @@ HWM = 100_000
 # Plain ints: pyzmq's constants are enums, and an enum operation costs about a microsecond on the hot path.
 NOBLOCK, SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
 SEND_MORE = NOBLOCK | SNDMORE
-EVENTS, POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+EVENTS, POLLIN, RCVTIMEO = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVTIMEO)
 
 
 def plan_frames(lookups: Sequence[Lookup], ids: Iterator[int]) -> list[tuple[int, list[Lookup]]]:
@@ -77,6 +77,7 @@ class Dealer:
         self.ctx = zmq.Context(io_threads=1)
         self.sock: zmq.Socket | None = None
         self.fd = -1
+        self._recv_timeout_ms = -1  # the socket's RCVTIMEO (ZMQ's default: none)
         self._curve = curve
         self._watch = curve is not None if watch_handshakes is None else watch_handshakes
         self._handshakes: HandshakeWatch | None = None
@@ -103,6 +104,17 @@ class Dealer:
         sock.send(frames[0], SEND_MORE)
         sock.send(frames[1], NOBLOCK, copy=False)
 
+    def recv_within(self, sock: zmq.Socket, ms: int) -> bytes | None:
+        """The next reply, waiting up to ``ms`` whole milliseconds (one blocking read, the GIL released: a wake-up
+        when it comes, no look before); ``None`` when none came in time."""
+        if ms != self._recv_timeout_ms:
+            sock.setsockopt(RCVTIMEO, ms)
+            self._recv_timeout_ms = ms
+        try:
+            return sock.recv()  # type: ignore[no-any-return]
+        except zmq.Again:
+            return None
+
     def diagnose(self) -> str | None:
         """Why a CURVE handshake was refused, if the monitor says so (slow path only)."""
         diagnosis = self._handshakes.diagnose() if self._handshakes is not None else None
@@ -117,7 +129,7 @@ class Dealer:
             self._handshakes = None
         if self.sock is not None:
             self.sock.close(linger=0)
-            self.sock, self.fd = None, -1
+            self.sock, self.fd, self._recv_timeout_ms = None, -1, -1
 
     def close(self) -> None:
         """Close the socket and the context."""

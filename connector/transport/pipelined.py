@@ -6,8 +6,9 @@ Async lookups go through :mod:`.pipelined_thread`, whose socket lives on a threa
 
 ``send`` puts a step's lookups in one frame (the client hands over a step's lookups together), ``collect``
 reads every reply that has arrived (and stops once nothing is in flight: a step with nothing to read makes
-no socket call), and a wait is one poll of the socket's descriptor with a timeout (the GIL released
-meanwhile). A step thus pays one send and one read, however many lookups it holds.
+no socket call), and a blocking wait is one read with a timeout in whole milliseconds (the GIL released
+meanwhile; the last fraction of a millisecond, if any, a poll of the socket's descriptor). A step thus pays
+one send and one read, however many lookups it holds.
 
 Failure handling:
 
@@ -120,17 +121,28 @@ class PipelinedTransport(Transport):
         if sock is None:
             self._expire(_clock())
             return
-        if self._book.lookups or self._book.resets:
-            self._drain(sock)
         if until is not None and wait_s > 0 and until.outcome is None:
+            # A blocking wait, just after its send: the answer is rarely there yet, so look before reading
+            # (a read that fails raises zmq.Again, which costs more than the look).
             end = _clock() + wait_s
             if until.deadline is not None:
                 end = min(end, until.deadline)
-            while until.outcome is None and self._dealer.sock is sock:
+            dealer = self._dealer
+            while until.outcome is None and dealer.sock is sock:
                 left = end - _clock()
-                if left <= 0 or not self._wait_readable(sock, left):
+                if left <= 0:
                     break
-                self._drain(sock)
+                ms = int(left * 1000)  # whole milliseconds, rounded down: never past the end
+                if ms > 0:
+                    frame = dealer.recv_within(sock, ms)
+                    if frame is not None:
+                        self._take(frame, _clock())
+                elif self._wait_readable(sock, left):  # the last fraction of a millisecond
+                    self._drain(sock)
+                else:
+                    break
+        elif self._book.lookups or self._book.resets:
+            self._drain(sock)
         self._expire(_clock())
 
     def _wait_readable(self, sock: zmq.Socket, seconds: float) -> bool:
@@ -159,18 +171,22 @@ class PipelinedTransport(Transport):
                 frame = sock.recv(NOBLOCK)
             except zmq.Again:
                 return
-            now = _clock()
-            try:
-                reply = protocol.decode_reply(frame)
-            except protocol.ProtocolError as e:
-                if self._log_limit.allow(now):
-                    logger.warning("dropping a malformed reply from %s: %s", self.address, e.reason)
-                book.last_reply = now
-                book.fail_frame(e.frame_id, now, f"malformed reply: {e.reason}")
-                continue
-            book.apply(reply, None, now)
+            self._take(frame, _clock())
             if not book.lookups and not book.resets:
                 return
+
+    def _take(self, frame: bytes, now: float) -> None:
+        """Apply one reply; a malformed one fails its frame's lookups (when its frame id could be read)."""
+        book = self._book
+        try:
+            reply = protocol.decode_reply(frame)
+        except protocol.ProtocolError as e:
+            if self._log_limit.allow(now):
+                logger.warning("dropping a malformed reply from %s: %s", self.address, e.reason)
+            book.last_reply = now
+            book.fail_frame(e.frame_id, now, f"malformed reply: {e.reason}")
+            return
+        book.apply(reply, None, now)
 
     def _expire(self, now: float) -> None:
         """Time out every lookup past its deadline; rebuild the socket if the server stayed silent throughout."""
