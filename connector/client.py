@@ -21,10 +21,8 @@ What the scheduler can count on:
 * Store errors and timeouts are reported as such, never as misses. ``busy`` and ``bad_request`` replies fail
   only their lookups: they clear nothing and do not feed the breaker.
 
-The scheduler's thread does what it must and no more: a lookup is one object (:class:`Lookup`, also the result
-vLLM reads); a held answer is served by a look-up and a trust check; in async mode a pending one costs a
-look-up and a deferral. Telemetry costs an append: the step's log (:class:`StepLog`) keeps the lookups that
-ended and the deferrals for whoever reads it once per step; observers get events only when one is attached.
+The scheduler's thread does what it must: one object a lookup (:class:`Lookup`, also the result vLLM reads); a
+pending one costs a look-up and a deferral; telemetry an append to the step's log (:class:`StepLog`).
 
 Every method is called from one thread (vLLM's engine-core thread); no state here is shared with another.
 """
@@ -80,8 +78,7 @@ class LookupClient(Reporting):
         self._own_late_reply = transport.on_late_reply
         self.observers.on_add = self._listen
         self._listen()
-        # Until the scheduler adapter calls end_step, nothing is known of steps: every call hands over and takes in.
-        self._stepped = self._sent_this_step = self._drained_this_step = self._closed = False
+        self._stepped = self._sent_this_step = self._drained_this_step = self._closed = False  # no step known yet
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any, *, observer: LookupObserver | None = None) -> LookupClient:
@@ -145,8 +142,10 @@ class LookupClient(Reporting):
             self.transport.collect()
         elif self._unsent and not self._sent_this_step:
             self._flush(now=now)
+        if lk.outcome is not None:
+            return self._serve(lk, True, now)
         deadline = lk.deadline  # None until sent
-        if lk.outcome is None and (now < deadline if deadline is not None else not self.transport.stuck(lk, now)):
+        if now < deadline if deadline is not None else not self.transport.stuck(lk, now):
             self._defer(lk)
             return None
         return self._ask(req_id, num_tokens, block_hashes, True, trace_headers, now, lk)
@@ -168,17 +167,7 @@ class LookupClient(Reporting):
                 lk.latest = called + self._timeout_s
             self._await(lk, non_block, called)
         if lk.outcome is not None:
-            view = self.store_view
-            if lk.outcome is HIT and not (lk.local or lk.refused) and lk.t_start is not None:
-                lk.valid_until = view.valid_until(lk)  # a hit is trusted no longer than the checks behind it
-            why = view.untrusted(lk, _clock())
-            if why is None:
-                return self._settle(lk)
-            # Answered before a wipe (or a store error) heard since, or too late for its blocks' trust: ask again,
-            # a blocking call within its own bound (it never waits past lookup_timeout_ms).
-            self._dropped(lk, why)
-            return None if non_block else self._ask(req_id, num_tokens, block_hashes, False, trace_headers, called,
-                                                    None)
+            return self._serve(lk, non_block, called)
         now = _clock()
         sent = lk.t_start is not None  # read first: the upstream transport's thread may send it meanwhile
         if non_block and not lk.expired(now) and not self.transport.stuck(lk, now):
@@ -190,6 +179,19 @@ class LookupClient(Reporting):
         else:  # still queued (behind a lookup left unanswered, a stalled transport, or the call's bound ran out)
             lk.finish(TIMEOUT, now, error="not sent before the deadline: queued behind other lookups", local=True)
         return self._settle(lk)
+
+    def _serve(self, lk: Lookup, non_block: bool, called: float) -> Lookup | None:
+        """Serve ``lk``'s answer if it may be served now (docs/reliability.md, "No stale hit"), else drop it."""
+        view = self.store_view
+        if lk.outcome is HIT and not (lk.local or lk.refused) and lk.t_start is not None:
+            lk.valid_until = view.valid_until(lk)  # a hit is trusted no longer than the checks behind it
+        why = view.untrusted(lk, _clock())
+        if why is None:
+            return self._settle(lk)
+        # Wiped (or a store error) since, or past its blocks' trust: ask again (a blocking call within its bound).
+        self._dropped(lk, why)
+        return None if non_block else self._ask(lk.req_id, lk.num_tokens, lk.block_hashes, False, lk.trace_headers,
+                                                called, None)
 
     def start(self, req_id: str, num_tokens: int, block_hashes: Sequence[bytes], *,
               trace_headers: Mapping[str, str] | None = None, admission: bool = False) -> Lookup | None:
@@ -221,8 +223,10 @@ class LookupClient(Reporting):
 
     def discard(self, req_id: str) -> None:
         """Forget ``req_id``'s lookup (allocated, finished, aborted, preempted); an unsent one is never sent."""
-        lk = self._lookups.get(req_id)
-        if lk is not None:
+        lk = self._lookups.pop(req_id, None)
+        if lk is not None and lk.held:  # answered, used and counted: only the hold ends (after allocation)
+            self._held.pop(req_id, None)
+        elif lk is not None:
             self._drop(lk)
 
     def reset(self) -> bool:
@@ -235,9 +239,7 @@ class LookupClient(Reporting):
         for lk in list(self._lookups.values()):
             self._drop(lk)
         self.store_view.clear("reset")
-        if self._closed:
-            return False
-        return self.transport.reset(self.config.lookup_reset_timeout_s)
+        return False if self._closed else self.transport.reset(self.config.lookup_reset_timeout_s)
 
     def close(self) -> None:
         """Drop every lookup and stop the transport; safe to call twice."""

@@ -45,7 +45,9 @@ class DeployedTelemetry:
         return stats
 
     def close(self) -> None:
-        """Build what is queued, then flush and stop the span pipeline."""
+        """Take what the step log still holds (its sampled lookups' spans would be lost), build what is queued,
+        then flush and stop the span pipeline."""
+        self.take(flush=True)
         if self._spans is not None and self.tracer is not None:
             self._spans.close()
             self.tracer.shutdown()

@@ -91,7 +91,7 @@ class _Off:
 
     tracer = None
 
-    def take(self) -> None:
+    def take(self, flush: bool = False) -> None:
         return None
 
     def close(self) -> None:

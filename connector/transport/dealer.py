@@ -111,7 +111,7 @@ class Dealer:
             sock.setsockopt(RCVTIMEO, ms)
             self._recv_timeout_ms = ms
         try:
-            return sock.recv()  # type: ignore[no-any-return]
+            return sock.recv()
         except zmq.Again:
             return None
 
