@@ -130,3 +130,13 @@ def test_every_chart_value_the_operations_doc_names_exists() -> None:
                 break
             node = node[part]
     assert missing == []
+
+
+def test_the_stats_interval_the_docs_state_is_the_collectors() -> None:
+    """docs/metrics.md and docs/architecture.md tell how often vLLM gets our stats record: the collector's own
+    interval, not a copy that can drift."""
+    from mooncake_lookout.metrics.vllm_stats import RECORD_EVERY_S
+
+    stated = f"at most every {RECORD_EVERY_S * 1000:g} ms"
+    for name in ("metrics.md", "architecture.md"):
+        assert stated in (ROOT / "docs" / name).read_text(), f"docs/{name} does not say {stated!r}"

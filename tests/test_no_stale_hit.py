@@ -34,7 +34,6 @@ from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
     invariant,
-    precondition,
     rule,
     run_state_machine_as_test,
 )
@@ -274,11 +273,13 @@ class LookupPath(RuleBasedStateMachine):
             self.waiting.remove(req)
         self.client.end_step()
 
-    @precondition(lambda self: bool(self.waiting))
     @rule(pick=st.integers(0, 63))
     def ask_blocking(self, pick: int) -> None:
-        """vLLM with ``lookup_async`` off asks about one request and waits for its answer."""
-        self._ask(self.waiting[pick % len(self.waiting)], non_block=False)
+        """vLLM with ``lookup_async`` off asks about one request and waits for its answer (nothing, when no request
+        waits). No precondition: which requests wait depends on when answers came, and a rule enabled by timing
+        makes Hypothesis draw differently for the same example (it failed CI with FlakyStrategyDefinition)."""
+        if self.waiting:
+            self._ask(self.waiting[pick % len(self.waiting)], non_block=False)
 
     @rule(kind=st.sampled_from(("evict", "evict", "burst", "burst", "reset_here", "reset_elsewhere", "pause",
                                 "restart")), pick=st.integers(0, 63))

@@ -4,7 +4,7 @@ Why: the scheduler calls the lookup path for every waiting request on every step
 costs is paid by every request in the batch. Sync: the whole blocking round trip. Async: the first
 call (submit) and the per-lookup total over the polls a scheduler makes once per model step until the
 answer is there (ours: with the ``end_step`` the scheduler adapter calls once per step, timed too).
-Our client runs wired as in production (:mod:`.wiring`: vLLM's stats collector inline, taken once per step,
+Our client runs wired as in production (:mod:`.wiring`: vLLM's stats collector inline, asked once per step,
 and spans sampled as the Helm chart samples them); upstream's has no telemetry. Ours with every span recorded,
 and ours with no telemetry, are rows of their own, each measured in a process of its own (:mod:`.solo`), so no
 other client's telemetry thread runs while they are timed.
