@@ -9,7 +9,7 @@ usage: bash scripts/test.sh [PYTEST ARGS...]
 
 Installs everything on its first run (bash scripts/setup.sh: the Debian packages as root, a .venv with vLLM's
 CPU recipe and the Mooncake wheel, helm; later runs skip what is done), then runs the whole suite with
-pytest -q -rfE. Arguments go to pytest, e.g.:
+pytest -q -rfE --durations=15 (the slowest tests named, to keep the suite short). Arguments go to pytest, e.g.:
   bash scripts/test.sh tests/test_cli.py -k serve
 CI runs exactly this (.ci/run), as root, with no GPU. pytest's own options: .venv/bin/python -m pytest --help.
 --help prints this and installs nothing.
@@ -21,7 +21,7 @@ bash scripts/setup.sh
 export PATH="$here/.tools:$here/.venv/bin:$PATH"
 export HF_HUB_OFFLINE=1 MC_LOG_LEVEL=ERROR
 set +e
-.venv/bin/python -m pytest -q -rfE "$@"
+.venv/bin/python -m pytest -q -rfE --durations=15 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

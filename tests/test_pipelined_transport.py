@@ -346,3 +346,19 @@ def test_transport_reset_is_fenced_behind_earlier_lookups(
             assert after.outcome is Outcome.MISS
         finally:
             transport.close()
+
+
+@pytest.mark.parametrize(("lookup_async", "wait_us", "owner"), [
+    (False, 0, PipelinedTransport), (True, 0, ThreadedPipelinedTransport), (True, 500, PipelinedTransport),
+    (True, "auto", PipelinedTransport)])
+def test_the_socket_lives_where_its_mode_waits(private_dir: Path, lookup_async: bool, wait_us: Any,
+                                               owner: type[Transport]) -> None:
+    """docs/architecture.md's rule: only async lookups that never wait hand the socket to an I/O thread. A wait
+    budget reads the socket itself (through the I/O thread its round trip outgrew auto's cap and auto stopped
+    waiting: bench target c1; this failed before, when every async mode got the I/O thread)."""
+    config = LookupConfig(lookup_async=lookup_async, lookup_transport="pipelined", lookup_wait_us=wait_us)
+    transport = make_transport(config, f"ipc://{private_dir}/s")
+    try:
+        assert type(transport) is owner
+    finally:
+        transport.close()

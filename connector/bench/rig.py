@@ -132,7 +132,7 @@ class ClientMaker:
         keys = {(k if k.startswith("lookup_") else "lookup_" + k): v for k, v in config.items()}
         cfg = LookupConfig(lookup_transport=transport, **keys)
         if socket is not None:
-            cfg = dataclasses.replace(cfg, lookup_async=socket == "io")  # make_transport picks by the mode
+            cfg = dataclasses.replace(cfg, lookup_async=socket == "io", lookup_wait_us=0)  # make_transport picks
             wire = make_transport(cfg, self.address(transport))
             cfg = LookupConfig(lookup_transport=transport, **keys)
         else:
