@@ -10,12 +10,13 @@ refused CURVE handshake on the slow path only. Use a :class:`Dealer` from one th
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import zmq
 
 from mooncake_lookout.connector.lookup import Lookup
+from mooncake_lookout.connector.transport.base import Transport
 from mooncake_lookout.connector.transport.handshake import HandshakeWatch
 from mooncake_lookout.connector.wire import pipelined as protocol
 
@@ -142,4 +143,23 @@ def readable(sock: zmq.Socket) -> bool:
     return bool(int(sock.getsockopt(EVENTS)) & POLLIN)
 
 
-__all__ = ["Dealer", "HWM", "encode_frame", "plan_frames", "readable"]
+class DealerTransport(Transport):
+    """What both ``pipelined`` transports hold (the socket on the caller's thread or on a thread of its own): the
+    address, the deadline, the late-reply and rebuild counters and hooks, and the :class:`Dealer`."""
+
+    name = "pipelined"
+
+    def __init__(self, address: str, *, timeout_s: float, on_late_reply: Callable[[], None] | None = None,
+                 on_rebuild: Callable[[], None] | None = None, curve: ClientCurve | None = None,
+                 watch_handshakes: bool | None = None) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.late_replies = 0
+        self.rebuilds = 0
+        self.on_late_reply = on_late_reply
+        self._on_rebuild = on_rebuild
+        self._closed = False
+        self._dealer = Dealer(address, curve=curve, watch_handshakes=watch_handshakes)
+
+
+__all__ = ["DealerTransport", "Dealer", "HWM", "encode_frame", "plan_frames", "readable"]

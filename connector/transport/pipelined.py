@@ -39,8 +39,8 @@ import zmq
 
 from mooncake_lookout.connector.logs import RateLimit
 from mooncake_lookout.connector.lookup import ERROR, Lookup
-from mooncake_lookout.connector.transport.base import Transport, TransportClosed
-from mooncake_lookout.connector.transport.dealer import NOBLOCK, Dealer, encode_frame, plan_frames, readable
+from mooncake_lookout.connector.transport.base import TransportClosed
+from mooncake_lookout.connector.transport.dealer import NOBLOCK, DealerTransport, encode_frame, plan_frames, readable
 from mooncake_lookout.connector.transport.inflight import InFlight
 from mooncake_lookout.connector.wire import pipelined as protocol
 
@@ -52,7 +52,7 @@ _FD_SETSIZE = 1024  # select() cannot watch a higher descriptor
 _clock = time.perf_counter
 
 
-class PipelinedTransport(Transport):
+class PipelinedTransport(DealerTransport):
     """Carries lookups to a :class:`~mooncake_lookout.connector.server.LookupServer` over DEALER/ROUTER.
 
     ``address``: a ZMQ endpoint (``ipc://...`` or ``tcp://127.0.0.1:PORT``). ``timeout_s``: how long the
@@ -61,20 +61,13 @@ class PipelinedTransport(Transport):
     monitor to explain a refused handshake (default: with CURVE). Use from one thread only.
     """
 
-    name = "pipelined"
 
     def __init__(self, address: str, *, timeout_s: float, on_late_reply: Callable[[], None] | None = None,
                  on_rebuild: Callable[[], None] | None = None, curve: ClientCurve | None = None,
                  watch_handshakes: bool | None = None) -> None:
-        self.address = address
-        self.timeout_s = timeout_s
-        self.late_replies = 0
-        self.rebuilds = 0
-        self.on_late_reply = on_late_reply
-        self._on_rebuild = on_rebuild
-        self._closed = False
+        super().__init__(address, timeout_s=timeout_s, on_late_reply=on_late_reply, on_rebuild=on_rebuild,
+                         curve=curve, watch_handshakes=watch_handshakes)
         self._book = InFlight(timeout_s, finish=self._finish, epoch=self._epoch, late=self._count_late)
-        self._dealer = Dealer(address, curve=curve, watch_handshakes=watch_handshakes)
         self._log_limit = RateLimit(10.0)
 
     @property

@@ -34,8 +34,8 @@ import zmq
 
 from mooncake_lookout.connector.logs import RateLimit
 from mooncake_lookout.connector.lookup import ERROR, TIMEOUT, Lookup
-from mooncake_lookout.connector.transport.base import Transport, TransportClosed
-from mooncake_lookout.connector.transport.dealer import NOBLOCK, Dealer, encode_frame, plan_frames
+from mooncake_lookout.connector.transport.base import TransportClosed
+from mooncake_lookout.connector.transport.dealer import NOBLOCK, DealerTransport, encode_frame, plan_frames
 from mooncake_lookout.connector.waker import Waker
 from mooncake_lookout.connector.wire import pipelined as protocol
 
@@ -51,27 +51,20 @@ _RESET, _STOP = "reset", "stop"
 _ANSWERS, _FAILED, _RESET_DONE = range(3)
 
 
-class ThreadedPipelinedTransport(Transport):
+class ThreadedPipelinedTransport(DealerTransport):
     """Carries lookups to a :class:`~mooncake_lookout.connector.server.LookupServer`; the socket on ``lookout-io``.
 
     Same arguments as :class:`~.pipelined.PipelinedTransport`. ``send``, ``collect``, ``reset`` and ``close``
     come from one caller thread; ``on_late_reply`` and ``on_rebuild`` are called on the I/O thread.
     """
 
-    name = "pipelined"
     hands_back = True
 
     def __init__(self, address: str, *, timeout_s: float, on_late_reply: Callable[[], None] | None = None,
                  on_rebuild: Callable[[], None] | None = None, curve: ClientCurve | None = None,
                  watch_handshakes: bool | None = None) -> None:
-        self.address = address
-        self.timeout_s = timeout_s
-        self.late_replies = 0
-        self.rebuilds = 0
-        self.on_late_reply = on_late_reply
-        self._on_rebuild = on_rebuild
-        self._closed = False
-        self._dealer = Dealer(address, curve=curve, watch_handshakes=watch_handshakes)
+        super().__init__(address, timeout_s=timeout_s, on_late_reply=on_late_reply, on_rebuild=on_rebuild,
+                         curve=curve, watch_handshakes=watch_handshakes)
         self._outbox: collections.deque[Any] = collections.deque()  # caller -> I/O thread
         self._inbox: collections.deque[tuple[Any, ...]] = collections.deque()  # I/O thread -> caller
         self.news = self._inbox
