@@ -161,5 +161,10 @@ class DealerTransport(Transport):
         self._closed = False
         self._dealer = Dealer(address, curve=curve, watch_handshakes=watch_handshakes)
 
+    @property
+    def diagnosis(self) -> str | None:
+        """Why the server answered nothing, when a refused CURVE handshake said so."""
+        return self._dealer.diagnosis
+
 
 __all__ = ["DealerTransport", "Dealer", "HWM", "encode_frame", "plan_frames", "readable"]

@@ -75,11 +75,6 @@ class PipelinedTransport(DealerTransport):
         """Lookups sent and not yet answered."""
         return len(self._book)
 
-    @property
-    def diagnosis(self) -> str | None:
-        """Why the server answered nothing, when a refused CURVE handshake said so."""
-        return self._dealer.diagnosis
-
     # -- sending -------------------------------------------------------------------------------------------
     def send(self, lookups: Sequence[Lookup], *, urgent: bool = False) -> None:
         """Send ``lookups`` in as few frames as the protocol's limits allow (one, in the common case)."""

@@ -82,11 +82,6 @@ class ThreadedPipelinedTransport(DealerTransport):
         """Lookups the I/O thread has sent and holds no answer for."""
         return len(self._io.lookups)
 
-    @property
-    def diagnosis(self) -> str | None:
-        """Why the server answered nothing, when a refused CURVE handshake said so."""
-        return self._dealer.diagnosis
-
     # -- the caller's thread -------------------------------------------------------------------------------
     def send(self, lookups: Sequence[Lookup], *, urgent: bool = False) -> None:
         """Hand ``lookups`` to the I/O thread; their deadlines start now."""
