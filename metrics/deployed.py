@@ -13,6 +13,7 @@ a raw record and one queue put for spans per ``RECORD_EVERY_S``. Nothing runs pe
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from mooncake_lookout.connector.events import BackgroundObserver
@@ -46,9 +47,10 @@ class DeployedTelemetry:
 
     def close(self) -> None:
         """Take what the step log still holds (its sampled lookups' spans would be lost), build what is queued,
-        then flush and stop the span pipeline."""
-        self.take(flush=True)
+        then flush and stop the span pipeline. Not at interpreter exit, when module globals are gone."""
         if self._spans is not None and self.tracer is not None:
+            if not sys.is_finalizing():
+                self.take(flush=True)
             self._spans.close()
             self.tracer.shutdown()
 

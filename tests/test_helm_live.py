@@ -288,10 +288,11 @@ def test_the_charts_store_pod_lends_its_segment_to_the_master(master):
         poll(lambda: proc.poll() is not None or master_capacity(master["metrics"]) == before + 64 * 1024**2,
              what="the store pod's segment on the master")
         assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-        # Its probes answer on the port the chart names.
+        # Its probes answer on the port the chart names (its HTTP server may come up a little after the segment is
+        # mounted: polled, within poll's bound; CI once asked in between).
         probe = c["readinessProbe"]["httpGet"]
         assert probe["port"] == "http" and {"name": "http", "containerPort": http_port, "protocol": "TCP"} in c["ports"]
-        assert http_ok(f"http://127.0.0.1:{http_port}{probe['path']}")
+        poll(lambda: http_ok(f"http://127.0.0.1:{http_port}{probe['path']}"), what="the store pod's readiness probe")
     finally:
         stop(proc)
         proc.stderr.close()

@@ -362,3 +362,21 @@ def test_the_socket_lives_where_its_mode_waits(private_dir: Path, lookup_async: 
         assert type(transport) is owner
     finally:
         transport.close()
+
+
+def test_a_blocking_calls_own_bound_spent_in_silence_rebuilds_the_socket(private_dir: Path) -> None:
+    """A blocking call caps its lookup's deadline at the call's own bound, counted from the call's start, a little
+    before the send. A silence through that bound says the server is dead: the socket is rebuilt. Before, the
+    silence was counted from the send only, and a wait that ended right at the capped deadline rebuilt nothing
+    (`doctor` then said nothing of it: CI failed on it once)."""
+    transport = PipelinedTransport(f"ipc://{private_dir}/nobody", timeout_s=0.1)
+    try:
+        lk = _job(65, [bytes(32)] * 4, 0.1)
+        lk.latest = time.perf_counter() + 0.03  # the call began 70 ms before this send: its bound ends in 30 ms
+        transport.send([lk])
+        time.sleep(0.045)  # past the call's bound, 55 ms before the send's own deadline would end
+        transport.collect()
+        assert lk.outcome is Outcome.TIMEOUT
+        assert transport.rebuilds == 1
+    finally:
+        transport.close()

@@ -116,11 +116,13 @@ class InFlight:
         """Every lookup in flight ends with ``error`` (the transport is closing)."""
         self.fail(list(self.lookups), now, error)
 
-    def expire(self, now: float) -> bool:
-        """Time out every lookup past its deadline; True if one of them had heard nothing since it was sent
-        (the server may be dead or wedged: the caller rebuilds the connection after a while)."""
+    def expire(self, now: float) -> float:
+        """Time out every lookup past its deadline. Returns how long the longest waiter among those that heard
+        nothing since they were sent has waited (0.0 when none): the server may be dead or wedged, and the caller
+        rebuilds the connection after a while. A blocking call waits from its own start (its bound, ``latest``,
+        is its deadline counted from then), a little before its lookup is sent."""
         deadlines = self._deadlines
-        silent = False
+        silent = 0.0
         inflight, finish = self.lookups, self._finish
         while deadlines and deadlines[0][0] <= now:
             _, lookup_id = heapq.heappop(deadlines)
@@ -128,7 +130,10 @@ class InFlight:
             if lk is None:
                 continue  # answered or forgotten already
             if self.last_reply <= (lk.t_start or now):
-                silent = True
+                began = lk.t_start or now
+                if lk.latest is not None:
+                    began = min(began, lk.latest - lk.timeout_s)
+                silent = max(silent, now - began)
             finish(lk, TIMEOUT, now, error="no reply before the deadline")
         if not inflight:
             deadlines.clear()

@@ -179,7 +179,8 @@ class PipelinedTransport(DealerTransport):
     def _expire(self, now: float) -> None:
         """Time out every lookup past its deadline; rebuild the socket if the server stayed silent throughout."""
         book = self._book
-        if book.expire(now) and now - book.last_reply >= min(self.timeout_s, 1.0):
+        waited = book.expire(now)  # the longest wait in silence of a lookup that just timed out, or 0.0
+        if waited and max(waited, now - book.last_reply) >= min(self.timeout_s, 1.0):
             diagnosis = self._dealer.diagnose()
             if self._log_limit.allow(now):
                 logger.warning("lookup server at %s silent for %.3f s: rebuilding the socket (%d rebuilds so far)%s",
