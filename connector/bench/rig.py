@@ -131,13 +131,10 @@ class ClientMaker:
 
         keys = {(k if k.startswith("lookup_") else "lookup_" + k): v for k, v in config.items()}
         cfg = LookupConfig(lookup_transport=transport, **keys)
-        if socket is not None:
-            cfg = dataclasses.replace(cfg, lookup_async=socket == "io", lookup_wait_us=0)  # make_transport picks
-            wire = make_transport(cfg, self.address(transport))
-            cfg = LookupConfig(lookup_transport=transport, **keys)
-        else:
-            wire = make_transport(cfg, self.address(transport))
-        return LookupClient(cfg, wire, observer=ObserverSet(list(observers)))
+        # make_transport picks the socket's thread by the mode: a forced one is the mode that picks it
+        built_as = cfg if socket is None else dataclasses.replace(cfg, lookup_async=socket == "io", lookup_wait_us=0)
+        return LookupClient(cfg, make_transport(built_as, self.address(transport)),
+                            observer=ObserverSet(list(observers)))
 
 
 class Rig(ClientMaker):

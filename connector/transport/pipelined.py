@@ -61,7 +61,6 @@ class PipelinedTransport(DealerTransport):
     monitor to explain a refused handshake (default: with CURVE). Use from one thread only.
     """
 
-
     def __init__(self, address: str, *, timeout_s: float, on_late_reply: Callable[[], None] | None = None,
                  on_rebuild: Callable[[], None] | None = None, curve: ClientCurve | None = None,
                  watch_handshakes: bool | None = None) -> None:
@@ -110,8 +109,8 @@ class PipelinedTransport(DealerTransport):
             self._expire(_clock())
             return
         if until is not None and wait_s > 0 and until.outcome is None:
-            # A blocking wait, just after its send: the answer is rarely there yet, so look before reading
-            # (a read that fails raises zmq.Again, which costs more than the look).
+            # A blocking wait: read with a timeout (whole milliseconds), no look first; the last fraction of a
+            # millisecond is a poll of the socket's descriptor.
             end = _clock() + wait_s
             if until.deadline is not None:
                 end = min(end, until.deadline)
