@@ -7,7 +7,8 @@ the rule. Blocking lookups go through :mod:`.pipelined`, whose socket lives on t
 Who does what:
 
 * the caller's thread marks a step's lookups sent (their deadlines start at the hand-over) and hands them over:
-  one ``deque.append`` and one eventfd write a step, however many lookups;
+  one ``deque.append`` and one eventfd write a step, however many lookups (the write keeps the GIL, so the I/O
+  thread sends when the caller next lets go of it, not in the middle of ``schedule()``: :mod:`..waker`);
 * the I/O thread (``lookout-io``) gives them ids, groups them into frames, encodes each (joins the hashes, one
   msgpack body) and sends it; it reads every reply, decodes it and matches each answer to its lookup, and
   hands the answers back, one ``deque.append`` a reply; it keeps the book of what is in flight, counts late
