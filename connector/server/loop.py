@@ -56,7 +56,8 @@ if TYPE_CHECKING:
     from mooncake_lookout.connector.curve import ServerCurve
 
 logger = logging.getLogger(__name__)
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: pyzmq's enums cost ~1 us per operation
+# plain ints: pyzmq's enums cost ~1 us per operation
+_EVENTS, _POLLIN, _NOBLOCK, _SNDMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK), int(zmq.SNDMORE)
 
 RECV_BURST = 4096  # frames read per turn of the loop before they are answered
 BUSY_BURST = 16  # frames turned away busy per turn: past it the turn answers, so a flood cannot stretch it
@@ -102,6 +103,7 @@ class LookupServer:
         self.curve = curve
         self._listener: listen.Listener | None = None
         self._admission = Admission(limits=limits, curve=curve is not None)
+        self._reported: tuple[int, int, int] | None = None  # the waiting gauges last reported
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
     @property
@@ -247,7 +249,7 @@ class LookupServer:
             if not cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
                 break
             try:
-                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=copy)
+                frames = sock.recv_multipart(flags=_NOBLOCK, copy=copy)
             except zmq.Again:
                 break
             refusal = admission.take_in(frames)
@@ -261,9 +263,13 @@ class LookupServer:
         self._report_waiting()
 
     def _report_waiting(self) -> None:
+        """The gauges of what waits, when they changed (twice a turn otherwise: each event costs the loop)."""
         total = self._admission.total
-        self._observe.queue_depth(total.lookups)
-        self._observe.waiting(total.keys, total.bytes)
+        now = (total.lookups, total.keys, total.bytes)
+        if now != self._reported:
+            self._reported = now
+            self._observe.queue_depth(now[0])
+            self._observe.waiting(now[1], now[2])
 
     # -- answering -------------------------------------------------------------------------------------------
     def _answer(self, work: list[intake.Work]) -> None:
@@ -300,8 +306,11 @@ class LookupServer:
                 answers = results[at:at + n]
                 vouched = set(epochs[at:at + n])  # a frame over several calls: one epoch they all confirmed
                 at += n
-                for answer in answers:
-                    self._observe.answered("error" if failed(answer) else "ok")
+                errors = sum(1 for answer in answers if failed(answer))
+                if errors:
+                    self._observe.answered("error", errors)
+                if n > errors:
+                    self._observe.answered("ok", n - errors)
                 self._send(item.envelope, protocol.encode_reply(
                     item.frame_id, [protocol.result_of(q.lookup_id, as_result(a))
                                     for q, a in zip(item.queries, answers)], vouched.pop() if len(vouched) == 1 else 0))
@@ -385,8 +394,11 @@ class LookupServer:
 
     def _send(self, envelope: list[bytes], payload: bytes) -> None:
         assert self._sock is not None
+        send = self._sock.send
         try:
-            self._sock.send_multipart([*envelope, payload], flags=zmq.NOBLOCK)
+            for part in envelope:  # the routing id(s): a ROUTER drops a reply to a gone peer, never blocks
+                send(part, _SNDMORE | _NOBLOCK)
+            send(payload, _NOBLOCK)
         except zmq.ZMQError as e:  # the peer is gone or slow: its reply is lost, the server goes on
             logger.debug("dropping a reply: %s", e)
 
