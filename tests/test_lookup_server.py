@@ -361,6 +361,37 @@ def test_observers_see_store_calls_and_answers_and_cannot_break_the_server(
     assert [c for c in rec.calls if c[0] == "answered"] == [("answered", "ok"), ("answered", "bad_request")]
 
 
+class _Counter(ServerObserver):
+    def __init__(self) -> None:
+        self.answered_calls: list[tuple[str, int]] = []
+        self.gauge_reports = 0
+
+    def answered(self, status: str, count: int = 1) -> None:
+        self.answered_calls.append((status, count))
+
+    def queue_depth(self, depth: int) -> None:
+        self.gauge_reports += 1
+
+
+def test_a_frame_is_counted_in_one_event_per_status_and_unchanged_gauges_are_not_reported_again(
+        ctx: zmq.Context, filler: PrefixIndex, index: PrefixIndex) -> None:
+    """Each event is a call the loop makes between a frame and its reply: a frame of many lookups makes one
+    ``answered`` per status (was one per lookup), and the waiting gauges are reported when they change (they
+    were reported twice a turn)."""
+    reqs, expected = _fill(filler, 8)
+    counter = _Counter()
+    with LookupServer(index, observers=[counter]) as server:
+        sock = _dealer(ctx, server.address)
+        for frame_id in (1, 2):
+            sock.send_multipart(p.encode_lookups(frame_id, [p.query(i, r.num_tokens, r.block_hashes)
+                                                            for i, r in enumerate(reqs, start=10 * frame_id)]))
+            reply = _reply(sock)
+            assert reply.status == p.OK and [r.hit_length for r in reply.results] == expected
+    assert counter.answered_calls == [("ok", 8), ("ok", 8)]
+    # per frame: the frame waits (8 lookups), then nothing waits; the same values twice over are not re-reported
+    assert counter.gauge_reports == 4
+
+
 def test_prometheus_observer_reports_catalogue_metrics(ctx: zmq.Context, filler: PrefixIndex,
                                                        index: PrefixIndex) -> None:
     reqs, expected = _fill(filler, 9)

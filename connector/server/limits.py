@@ -88,6 +88,10 @@ class Waiting:
         """``lookups``, ``keys`` or ``bytes``."""
         return int(getattr(self, measure))
 
+    def counts(self) -> tuple[int, int, int]:
+        """Lookups, keys and bytes, as one value (compared to know whether anything changed)."""
+        return self.lookups, self.keys, self.bytes
+
 
 def frame_bytes(raw_bytes: int, lookups: int) -> int:
     """What a frame of ``raw_bytes`` carrying ``lookups`` lookups holds while it waits (see LOOKUP_OVERHEAD_BYTES)."""

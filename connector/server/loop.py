@@ -56,13 +56,11 @@ if TYPE_CHECKING:
     from mooncake_lookout.connector.curve import ServerCurve
 
 logger = logging.getLogger(__name__)
-# plain ints: pyzmq's enums cost ~1 us per operation
-_EVENTS, _POLLIN, _NOBLOCK, _SNDMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK), int(zmq.SNDMORE)
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: pyzmq's enums cost ~1 us per operation
+_NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
 
 RECV_BURST = 4096  # frames read per turn of the loop before they are answered
 BUSY_BURST = 16  # frames turned away busy per turn: past it the turn answers, so a flood cannot stretch it
-
-
 
 
 class LookupServer:
@@ -264,9 +262,7 @@ class LookupServer:
 
     def _report_waiting(self) -> None:
         """The gauges of what waits, when they changed (twice a turn otherwise: each event costs the loop)."""
-        total = self._admission.total
-        now = (total.lookups, total.keys, total.bytes)
-        if now != self._reported:
+        if (now := self._admission.total.counts()) != self._reported:
             self._reported = now
             self._observe.queue_depth(now[0])
             self._observe.waiting(now[1], now[2])
@@ -307,10 +303,9 @@ class LookupServer:
                 vouched = set(epochs[at:at + n])  # a frame over several calls: one epoch they all confirmed
                 at += n
                 errors = sum(1 for answer in answers if failed(answer))
-                if errors:
-                    self._observe.answered("error", errors)
-                if n > errors:
-                    self._observe.answered("ok", n - errors)
+                for status, count in (("error", errors), ("ok", n - errors)):
+                    if count:
+                        self._observe.answered(status, count)
                 self._send(item.envelope, protocol.encode_reply(
                     item.frame_id, [protocol.result_of(q.lookup_id, as_result(a))
                                     for q, a in zip(item.queries, answers)], vouched.pop() if len(vouched) == 1 else 0))
@@ -393,8 +388,7 @@ class LookupServer:
                                                              reason))
 
     def _send(self, envelope: list[bytes], payload: bytes) -> None:
-        assert self._sock is not None
-        send = self._sock.send
+        send = cast(zmq.Socket, self._sock).send
         try:
             for part in envelope:  # the routing id(s): a ROUTER drops a reply to a gone peer, never blocks
                 send(part, _SNDMORE | _NOBLOCK)
