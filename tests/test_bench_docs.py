@@ -101,11 +101,27 @@ def test_every_target_a_run_lists_is_rendered_with_its_what_and_bound() -> None:
     runs = runs_of(run)
     summary, per_run = doc_tables.render_targets_summary(runs), doc_tables.render_targets_per_run(runs)
     for t in run["targets"]:
-        assert f"({t['id']}) {t['what']}" in summary
+        assert f"({t['id']}) {doc_tables.target_label(t)}" in summary
         assert f"| {t['id']} | {t['what']} |" in per_run
         assert t["bound"] in summary and t["bound"] in per_run
     assert "3.00 vs 60.0 keys, ratio 0.05: met" in summary
     assert "| g | multi-turn" in per_run and "**missed**" not in per_run.split("| g |")[1].splitlines()[0]
+
+
+def test_a_target_judged_at_its_worst_size_names_each_runs_size_in_its_own_cell() -> None:
+    """f-delay is judged at whichever prompt size was worst in that run: the row's label cannot name one size for
+    every run (it once said 64 blocks beside a run whose worst was 512), so each cell names its own."""
+    one = first_run()
+    two = copy.deepcopy(one)
+    for run, worst in ((one, 64), (two, 512)):
+        entry = next(t for t in run["targets"] if t["id"] == "f-delay")
+        entry["what"] = f"answer delay p50, ours / upstream, at the worst size ({worst} blocks)"  # as old runs wrote
+        entry["sizes"] = [{"blocks": b, "ratio": 1.02 if b == worst else 0.9} for b in (8, 64, 512, 4096)]
+    row = next(line for line in doc_tables.render_targets_summary(runs_of(one, two)).splitlines()
+               if line.startswith("| (f-delay) "))
+    label, cells = row.split(" | ")[0], row.split(" | ")[2:4]
+    assert "blocks)" not in label and "each run names its own" in label
+    assert " at 64 blocks, " in cells[0] and " at 512 blocks, " in cells[1]
 
 
 def test_several_runs_render_one_column_or_figure_each_beside_their_load() -> None:

@@ -9,6 +9,7 @@ targets appear without a change here; the per-run reports are ``bench``'s own te
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -71,8 +72,19 @@ def _reference(t: dict[str, Any]) -> Any:
 def _verdict(t: dict[str, Any] | None) -> str:
     if t is None:
         return MISSING
-    return (f"{num(t.get('ours'))} vs {num(_reference(t))} {t.get('unit', '')}, ratio {num(t.get('ratio'), 2)}: "
-            + ("met" if t.get("met") else "**missed**"))
+    return (f"{num(t.get('ours'))} vs {num(_reference(t))} {t.get('unit', '')}{_where(t)}, "
+            f"ratio {num(t.get('ratio'), 2)}: " + ("met" if t.get("met") else "**missed**"))
+
+
+def _where(t: dict[str, Any]) -> str:
+    """For a target judged at its worst prompt size (f-delay): which size that was in this run."""
+    sizes = [s for s in t.get("sizes", ()) if s.get("ratio") is not None]
+    return f" at {max(sizes, key=lambda s: s['ratio'])['blocks']} blocks" if sizes else ""
+
+
+def target_label(t: dict[str, Any]) -> str:
+    """A target's description, without the worst size older runs wrote into it (each cell names its own)."""
+    return re.sub(r"at the worst size \(\d+ blocks\)$", "at the worst size (each run names its own)", t["what"])
 
 
 def render_targets_summary(runs: Sequence[Run]) -> str:
@@ -84,8 +96,8 @@ def render_targets_summary(runs: Sequence[Run]) -> str:
         latest = next(t[id_] for t in reversed(per_run) if id_ in t)
         judged = [t[id_] for t in per_run if id_ in t]
         met = sum(1 for t in judged if t.get("met"))
-        rows.append([f"({id_}) {latest['what']}", latest.get("bound", ""), *[_verdict(t.get(id_)) for t in per_run],
-                     f"{met} of {len(judged)}"])
+        rows.append([f"({id_}) {target_label(latest)}", latest.get("bound", ""),
+                     *[_verdict(t.get(id_)) for t in per_run], f"{met} of {len(judged)}"])
     head = ["target (ours vs reference, ratio)", "bound", *[f"run {r.number} ({r.kind})" for r in runs], "met in"]
     return "\n".join(_table(head, rows)) + "\n"
 
@@ -498,4 +510,4 @@ def render_scenarios(runs: Sequence[Run]) -> str:
 
 __all__ = ["SCENARIOS", "render_demo", "render_guarantees", "render_modes", "render_multi_turn", "render_reports",
            "render_runs", "render_scenarios", "render_targets_per_run", "render_targets_summary",
-           "render_tuning_figures", "runs_note"]
+           "render_tuning_figures", "runs_note", "target_label"]
