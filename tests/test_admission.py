@@ -33,6 +33,8 @@ from mooncake_lookout.connector.wire import pipelined as p
 from mooncake_lookout.connector.wire import upstream as upstream_wire
 from mooncake_lookout.metrics.catalogue import SERVER_BOUND_MEASURES, SERVER_BOUND_SCOPES
 
+pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
+
 BLOCK = 16
 SLOW_STORE_S = 0.1  # the injected delay of each store call
 

@@ -45,6 +45,8 @@ from mooncake_lookout.metrics.prometheus_sink import PrometheusSink, info_labels
 import chart  # noqa: E402 - helm/tools (conftest puts it on sys.path)
 from live_stack import Prometheus  # noqa: E402 - dashboards/ (conftest puts it on sys.path)
 
+pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
+
 SCRIPT = Path(sys.executable).parent / "mooncake-lookout"
 BOUNDS = (*cat.SECONDS_BUCKETS, math.inf)
 

@@ -32,6 +32,8 @@ from mooncake_lookout.metrics import catalogue as cat
 
 from live_stack import Prometheus  # noqa: E402 - dashboards/ is on sys.path (conftest)
 
+pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
+
 SCRIPT = Path(sys.executable).parent / "mooncake-lookout"
 START_TIMEOUT_S = 120.0  # demo's start (vLLM import, master, lookup servers) and run, on a loaded 2-core machine
 SCRAPED_TIMEOUT_S = 20.0  # until Prometheus holds the figures /metrics serves after the run

@@ -32,6 +32,8 @@ import known_metrics as km  # noqa: E402
 import lint  # noqa: E402
 import queries as q  # noqa: E402
 
+pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
+
 REQUIRED = {"MooncakeLookupTimeouts", "MooncakeLookupErrorRatioHigh", "MooncakeLookupBreakerOpen",
             "MooncakeLookupPendingNearBound", "MooncakeLookupDeferredStepsHigh", "MooncakeLookupServerDown",
             "MooncakeLookupMetricsAbsent", "MooncakeMasterUnreachable", "MooncakeMasterReplaced",

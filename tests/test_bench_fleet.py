@@ -31,6 +31,8 @@ from mooncake_lookout.connector.bench.fleet_workloads import (
 )
 from mooncake_lookout.connector.rigs.cpu import CLOCK_TICKS, CpuMeter, thread_cpu_s, tick_cpu_s
 
+pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
+
 BURN_S = 0.3  # CPU seconds the busy child uses, by its own clock (not wall time: the machine may be loaded)
 # The busy child starts two threads, says so, and waits for a line on stdin; then both spin until its own CPU time
 # reaches BURN_S, and stay (as the master's threads do) or, with EXIT, end; then it says so and sleeps.

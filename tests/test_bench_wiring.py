@@ -18,6 +18,8 @@ import yaml
 
 from mooncake_lookout.connector.bench import otlp_sink, wiring
 
+pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -13,6 +13,8 @@ from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.events import Outcome, OutcomeCounter
 from mooncake_lookout.connector.transport.upstream import UpstreamTransport
 
+pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
+
 BLOCK = 16
 
 

@@ -30,6 +30,8 @@ from mooncake_lookout.connector.server.prefix_index import PrefixIndex
 from mooncake_lookout.connector.transport import handshake, make_transport
 from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
 
+pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
+
 BLOCK = 16
 TIMEOUT_MS = 300
 

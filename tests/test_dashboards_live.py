@@ -29,6 +29,8 @@ import lint  # noqa: E402
 from live_queries import QueryRun, all_values, run_exprs, run_queries, variable_options  # noqa: E402
 from live_stack import JOBS, RATE_INTERVAL, LiveStack  # noqa: E402
 
+pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
+
 DATA_TIMEOUT_S = 60.0  # bound on waiting for enough scrapes for every rate() to have two samples
 OURS = all_series_names()
 

@@ -16,6 +16,8 @@ import pytest
 from mooncake_lookout.connector.cli.doctor import check_config, check_master, probe_server
 from mooncake_lookout.connector.rigs.processes import ChildProcess
 
+pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
+
 SCRIPT = Path(sys.executable).parent / "mooncake-lookout"  # the console script, as a user runs it
 
 

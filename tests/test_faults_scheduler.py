@@ -22,6 +22,8 @@ from mooncake_lookout.connector.rigs.scheduler_driver import BLOCK_SIZE, Schedul
 from mooncake_lookout.connector.rigs.soak import SLACK_S, CallBudget, FaultRig
 from mooncake_lookout.connector.rigs.workload import WorkloadRequest
 
+pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
+
 TIMEOUT_MS = 100.0
 _ports = itertools.count(31_000)
 _seeds = itertools.count(1)

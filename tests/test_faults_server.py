@@ -19,6 +19,8 @@ from mooncake_lookout.connector.events import Outcome
 from mooncake_lookout.connector.rigs.soak import FaultRig
 from mooncake_lookout.connector.rigs.workload import shared_prefix_workload
 
+pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
+
 TIMEOUT_MS = 100.0
 RECOVERY_BOUND_S = 5.0
 CONFIG = dict(lookup_timeout_ms=TIMEOUT_MS, lookup_breaker_failures=1000, lookup_breaker_cooldown_s=0.2)

@@ -20,6 +20,8 @@ from mooncake_lookout.connector.rigs.soak import FaultRig, poll_until
 from mooncake_lookout.connector.rigs.workload import shared_prefix_workload
 from mooncake_lookout.connector.transport import make_transport
 
+pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
+
 TIMEOUT_MS = 100.0
 RECOVERY_BOUND_S = 5.0
 DELAY_MS = 200.0  # the injected store delay: twice the deadline above

@@ -40,6 +40,8 @@ from mooncake_lookout.connector.transport.upstream import UpstreamTransport
 from mooncake_lookout.connector.wire import pipelined as protocol
 from mooncake_lookout.connector.wire import upstream as upstream_wire
 
+pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
+
 BLOCK = 16
 REPLY_BOUND_MS = 5000
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))

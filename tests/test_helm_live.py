@@ -31,6 +31,8 @@ from mooncake_lookout.metrics.catalogue import CATALOGUE, MetricSpec
 
 import chart  # helm/tools/chart.py (conftest puts helm/tools on sys.path)
 
+pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
+
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 CHECK_SCRIPT = ROOT / "helm" / "mooncake-lookout" / "files" / "helm-test" / "check_lookout.py"

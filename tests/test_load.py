@@ -25,6 +25,8 @@ from mooncake_lookout.connector.rigs.workload import shared_prefix_workload
 from mooncake_lookout.connector.server import LookupServer
 from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
 
+pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
+
 BLOCK = 16
 TRANSPORTS = ("pipelined", "upstream")
 

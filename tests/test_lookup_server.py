@@ -34,6 +34,8 @@ from mooncake_lookout.connector.wire import upstream as upstream_wire
 from mooncake_lookout.metrics import catalogue
 from mooncake_lookout.metrics.server_sink import ServerMetrics
 
+pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
+
 BLOCK = 16
 
 

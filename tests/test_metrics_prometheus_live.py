@@ -31,6 +31,8 @@ from mooncake_lookout.metrics.exporter import serve_metrics
 from mooncake_lookout.metrics.prometheus_sink import PrometheusSink, info_labels
 from mooncake_lookout.metrics.server_sink import ServerMetrics
 
+pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
+
 
 class Prometheus:
     """Debian's prometheus on 127.0.0.1, scraping one target every second; stopped by pid.

@@ -14,6 +14,8 @@ import pytest
 from mooncake_lookout.connector.rigs.master import EmbeddedMaster, MasterError, find_master_binary, free_port
 from mooncake_lookout.connector.server.store import open_store, open_writer_store
 
+pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
+
 
 def _gone(pid: int, timeout_s: float = 5.0) -> bool:
     """Poll until no process ``pid`` exists (zombies count as gone)."""

@@ -51,6 +51,8 @@ from mooncake_lookout.connector.server.store import open_writer_store
 from mooncake_lookout.connector.transport import make_transport
 from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
 
+pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
+
 BLOCK = 16
 LEASE_MS = 600  # the master's --default_kv_lease_ttl
 TTL_MS = 250  # lookup_answer_ttl_ms: the load keeps at least LEASE_MS - TTL_MS

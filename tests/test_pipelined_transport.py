@@ -33,6 +33,8 @@ from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
 from mooncake_lookout.connector.transport.pipelined_thread import ThreadedPipelinedTransport
 from mooncake_lookout.connector.wire import pipelined as p
 
+pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
+
 BLOCK = 16
 
 

@@ -25,6 +25,8 @@ from mooncake_lookout.connector.server.prefix_index import PrefixIndex
 from mooncake_lookout.connector.server.store import open_writer_store
 from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
 
+pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
+
 BLOCK = 16
 
 

@@ -21,6 +21,8 @@ from mooncake_lookout.connector.rigs.scheduler_driver import BLOCK_SIZE, Schedul
 from mooncake_lookout.connector.rigs.soak import SLACK_S
 from mooncake_lookout.connector.transport.names import TRANSPORTS
 
+pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
+
 _ports = itertools.count(1000)
 
 

@@ -43,6 +43,8 @@ from mooncake_lookout.connector.wire import upstream as upstream_wire
 from mooncake_lookout.metrics import catalogue
 from mooncake_lookout.metrics.prometheus_sink import PrometheusSink
 
+pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
+
 _enc = msgspec.msgpack.Encoder()
 
 

@@ -24,6 +24,8 @@ from mooncake_lookout.connector.rigs.workload import unique_hashes
 from mooncake_lookout.connector.server.listen import RECV_HWM
 from mooncake_lookout.connector.wire import pipelined as p
 
+pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
+
 MiB = 1 << 20
 BLOCK = 16
 HASHES = p.MAX_HASHES  # one lookup of the most hashes a query may carry

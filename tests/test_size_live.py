@@ -25,6 +25,8 @@ from mooncake_lookout.metrics import catalogue as cat
 
 from live_stack import Prometheus  # noqa: E402 - dashboards/ is on sys.path (conftest)
 
+pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
+
 SCRIPT = Path(sys.executable).parent / "mooncake-lookout"
 LOOKUPS = 200
 SCRAPED_TIMEOUT_S = 30.0

@@ -19,6 +19,8 @@ import pytest
 
 from mooncake_lookout.connector.rigs.soak import FAULTS, SoakPlan, run_soak
 
+pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
+
 # What a soak with this plan would do, round by round: requests asked, fault carried, the ids a reused id
 # switches to, which calls block. Printed by a fresh interpreter, so a per-process hash salt would show.
 PLAN_SCRIPT = """

@@ -30,6 +30,8 @@ from mooncake_lookout.metrics.tracing import (
     hash_request_id,
 )
 
+pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
+
 PARENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_SPAN = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{PARENT_TRACE}-{PARENT_SPAN}-01"

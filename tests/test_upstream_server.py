@@ -20,6 +20,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.protocol import
 
 from mooncake_lookout.connector.rigs.vllm_lookup_server import UpstreamLookupServer  # noqa: E402
 
+pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
+
 BS = 16
 TIMEOUT_MS = 5000
 

@@ -27,6 +27,8 @@ from mooncake_lookout.metrics.vllm_stats import (
     LookupStatsCollector,
 )
 
+pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
+
 BLOCK = 16
 
 

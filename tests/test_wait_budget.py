@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
+
 from mooncake_lookout.connector.client import LookupClient
 from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.rigs.faults import InjectedDelayBackend
@@ -17,6 +19,8 @@ from mooncake_lookout.connector.rigs.workload import unique_hashes
 from mooncake_lookout.connector.server import LookupServer
 from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
 from mooncake_lookout.connector.wait_budget import MARGIN_S, PROBE_EVERY, WaitBudget
+
+pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
 
 STEP_S = 0.010  # a 10 ms step: auto may wait up to 2.5 ms at the default share
 

@@ -6,9 +6,12 @@ import sys
 import threading
 import time
 
+import pytest
 import zmq
 
 from mooncake_lookout.connector.waker import Waker
+
+pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
 
 
 def test_a_wake_reaches_a_polling_thread() -> None:

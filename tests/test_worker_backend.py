@@ -30,6 +30,8 @@ from mooncake_lookout.connector.server.worker_backend import WorkerBackend, serv
 from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
 from mooncake_lookout.connector.wire import pipelined as p
 
+pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
+
 BLOCK = 16
 
 
