@@ -76,15 +76,18 @@ def _verdict(t: dict[str, Any] | None) -> str:
             f"ratio {num(t.get('ratio'), 2)}: " + ("met" if t.get("met") else "**missed**"))
 
 
+_WORST_SIZE = re.compile(r"at the worst size \((\d+) blocks\)$")  # how targets.py names the size it judged
+
+
 def _where(t: dict[str, Any]) -> str:
-    """For a target judged at its worst prompt size (f-delay): which size that was in this run."""
-    sizes = [s for s in t.get("sizes", ()) if s.get("ratio") is not None]
-    return f" at {max(sizes, key=lambda s: s['ratio'])['blocks']} blocks" if sizes else ""
+    """For a target judged at its worst prompt size (f-delay): which size that was in this run, as the run says."""
+    found = _WORST_SIZE.search(t.get("what", ""))
+    return f" at {found.group(1)} blocks" if found else ""
 
 
 def target_label(t: dict[str, Any]) -> str:
-    """A target's description, without the worst size older runs wrote into it (each cell names its own)."""
-    return re.sub(r"at the worst size \(\d+ blocks\)$", "at the worst size (each run names its own)", t["what"])
+    """A target's description, without the size one run judged it at (each cell names its own)."""
+    return _WORST_SIZE.sub("at the worst size (each run names its own)", t["what"])
 
 
 def render_targets_summary(runs: Sequence[Run]) -> str:
