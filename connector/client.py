@@ -6,9 +6,11 @@ What the scheduler can count on:
   at most what is left of the step's budget (``lookup_wait_us``, or ``auto``). A lookup *sent* and not
   answered by its deadline is a miss, counted as a timeout; time in the client's own queue is not the
   server's failure and never counts against the deadline or the breaker.
-* A step's lookups travel together: the step's first call hands the transport every lookup started since the
-  last hand-over (at admission included) and takes in the answers that came; :meth:`end_step` hands over the
-  rest. After ``lookup_breaker_failures`` consecutive failures, lookups answer a miss at once for
+* A step's lookups travel together: the step's first call takes in the answers that came, and the first call
+  for a pending lookup hands the transport every lookup started since the last hand-over (at admission
+  included); :meth:`end_step` hands over the rest. An answered lookup is served before the hand-over: async,
+  the I/O thread sends only once the scheduler lets go of the GIL, so the answer need not wait for it.
+* After ``lookup_breaker_failures`` consecutive failures, lookups answer a miss at once for
   ``lookup_breaker_cooldown_s``, then one probe decides.
 * At most ``lookup_max_pending`` lookups are queued or in flight: past it an admission starts none and a
   non-blocking ask defers (a deep waiting queue must not turn into refusals); a blocking ask gets a miss
@@ -66,6 +68,7 @@ class LookupClient(Reporting):
         self._may_wait = config.lookup_wait_us != 0  # a fixed budget, or auto: calls may wait
         self._open = 0  # lookups submitted and not yet answered to the caller
         self._lookups: dict[str, Lookup] = {}  # each request's current lookup: pending, or its answer held
+        self.by_request: Mapping[str, Lookup] = self._lookups  # the same, for reading (a look-up, not a call)
         self._held: dict[str, None] = {}  # requests whose answer is held, oldest first
         self._unsent: list[Lookup] = []
         self._news = transport.news  # answers a transport's own thread handed back, not applied yet
@@ -136,14 +139,12 @@ class LookupClient(Reporting):
             self._drained_this_step = True
             if self._news or self._reads_socket:
                 self.transport.collect()
-            if self._unsent:
-                self._flush(now=now)
         elif self._news:
             self.transport.collect()
-        elif self._unsent and not self._sent_this_step:
-            self._flush(now=now)
-        if lk.outcome is not None:
+        if lk.outcome is not None:  # answered: served before the hand-over, which it need not wait for
             return self._serve(lk, True, now)
+        if self._unsent and not (self._stepped and self._sent_this_step):
+            self._flush(now=now)
         deadline = lk.deadline  # None until sent
         if now < deadline if deadline is not None else not self.transport.stuck(lk, now):
             self._defer(lk)

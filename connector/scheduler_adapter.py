@@ -4,8 +4,11 @@ Upstream's logic (load specs, store jobs, block pinning) is inherited unchanged;
 how a lookup is started, waited for, timed and forgotten:
 
 * a lookup starts when the request arrives (``on_new_request``) if ``lookup_on_admission``; the lookups of
-  a step leave together at the step's first lookup call, and :meth:`build_connector_meta` (once per step)
-  tells the client the step is over (it sends what is left and sets the next step's wait budget);
+  a step leave together at the step's first call for a pending lookup (answers that came are served first),
+  and :meth:`build_connector_meta` (once per step) tells the client the step is over (it sends what is left
+  and sets the next step's wait budget);
+* the connector binds vLLM's per-request and per-step calls straight to this class's methods (one call less
+  each, every one of them cold after the model step);
 * ``get_num_new_matched_tokens`` keeps vLLM's ``(None, False)`` = "ask again later" contract; it and
   ``on_new_request`` are timed as time the scheduler spent in the lookup path (``scheduler_call`` events);
 * an answer is kept until the request is allocated, so a failed allocation costs no second round trip;
@@ -29,6 +32,8 @@ from mooncake_lookout.connector.client import LookupClient
 from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.events import LookupObserver
 from mooncake_lookout.connector.transport import PIPELINED, make_transport
+
+_clock = time.perf_counter
 
 
 def _one_block_per_hash(kv_cache_config: Any, scheduler: Any) -> bool:
@@ -70,31 +75,33 @@ class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
         from mooncake_lookout.metrics.deployed import DeployedTelemetry
 
         self.telemetry = DeployedTelemetry.from_env(self.client)
+        self._stats = self.telemetry.stats
         self._unfinished: set[str] = set()  # requests vLLM has and has not finished: none left, a record at once
-
-    def _lookup_align(self) -> int:
-        return self._hash_block_size if self.enable_partial_hash_hits else self._block_size
+        # Fixed once upstream's __init__ has run; read on every admission and every first call (each a cold call).
+        self._align = self._hash_block_size if self.enable_partial_hash_hits else self._block_size
+        self._start_at_admission = config.lookup_on_admission and self.enable_lookup
 
     def on_new_request(self, request: Any) -> None:
         """Start the lookup at admission, so its answer is usually ready by the first scheduling attempt."""
-        self._unfinished.add(request.request_id)
-        if not (self.lookup_config.lookup_on_admission and self.enable_lookup
-                and request.num_tokens >= self._lookup_align()):
+        req_id = request.request_id
+        self._unfinished.add(req_id)
+        num_tokens = request.num_tokens
+        if not self._start_at_admission or num_tokens < self._align:
             return
-        t0 = time.perf_counter()
-        self.client.start(request.request_id, request.num_tokens, request.block_hashes,
-                          trace_headers=request.trace_headers, admission=True)
-        self.client.scheduler_call(self._mode, time.perf_counter() - t0)
+        t0 = _clock()
+        client = self.client
+        client.start(req_id, num_tokens, request.block_hashes, trace_headers=request.trace_headers, admission=True)
+        client.scheduler_call(self._mode, _clock() - t0)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Upstream's answer (``(None, False)`` while pending), timed as time spent blocking the scheduler."""
-        t0 = time.perf_counter()
+        t0 = _clock()
         if request.trace_headers and not self.lookup_config.lookup_on_admission and self.enable_lookup \
-                and request.num_tokens >= self._lookup_align():  # started here: with the request's trace
+                and request.num_tokens >= self._align:  # started here: with the request's trace
             self.client.start(request.request_id, request.num_tokens, request.block_hashes,
                               trace_headers=request.trace_headers)
         answer = super().get_num_new_matched_tokens(request, num_computed_tokens)
-        self.client.scheduler_call(self._mode, time.perf_counter() - t0)
+        self.client.scheduler_call(self._mode, _clock() - t0)
         return answer
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -111,14 +118,19 @@ class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
         return super().build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Any) -> None:
-        """A finished or aborted request: drop its lookup, sent or not."""
-        self.client.discard(request.request_id)
-        self._unfinished.discard(request.request_id)
+        """A finished or aborted request: drop its lookup, sent or not (most were dropped at allocation)."""
+        req_id = request.request_id
+        self._unfinished.discard(req_id)
+        if req_id in self.client.by_request:
+            self.client.discard(req_id)
 
     def take_stats(self) -> Any:
         """The lookup figures for vLLM's stats pipeline, or ``None`` (called once per step): vLLM finishes requests
         before it asks, so with none left this is the engine's last step before it idles, and the record is made
         now rather than at the next request."""
+        stats = self._stats
+        if self._unfinished and stats.clock() < stats.due:  # most steps: no record due, nothing else to do
+            return None
         return self.telemetry.take(flush=not self._unfinished)
 
     def close(self) -> None:

@@ -50,7 +50,15 @@ class LookoutMooncakeStoreConnector(MooncakeStoreConnector):
             upstream = self.connector_scheduler
             if upstream is not None:
                 retire_upstream_client(upstream.client)
-            self.connector_scheduler = LookoutMooncakeStoreScheduler(vllm_config, kv_cache_config)
+            ours = self.connector_scheduler = LookoutMooncakeStoreScheduler(vllm_config, kv_cache_config)
+            # vLLM calls these on its engine thread once or more a request or a step, each cold after the model
+            # step: straight to the scheduler side, without the hop through this class (the methods below remain
+            # for the worker role and for calls through the class).
+            self.on_new_request = ours.on_new_request  # type: ignore[method-assign]
+            self.get_num_new_matched_tokens = ours.get_num_new_matched_tokens
+            self.update_state_after_alloc = ours.update_state_after_alloc
+            self.build_connector_meta = ours.build_connector_meta
+            self.get_kv_connector_stats = ours.take_stats  # type: ignore[method-assign]
         elif self.lookup_config.lookup_transport == PIPELINED:
             self._lookup_server = serve_pipelined(vllm_config, self.lookup_config, self.connector_worker)
 

@@ -166,7 +166,8 @@ class LookupStatsCollector:
         self.sampled: Sequence[LookupRecord] = ()
         self._late_taken = 0
         self._mode = client.config.mode
-        self._due = 0.0  # the first step with something to report makes a record
+        self.clock = _clock
+        self.due = 0.0  # on ``clock``: no record before it unless flushed (the first step with news makes one)
 
     def take(self, flush: bool = False) -> LookoutLookupStats | None:
         """The figures since the last record, or ``None`` (vLLM's "nothing this step"): none to report, or the
@@ -177,7 +178,7 @@ class LookupStatsCollector:
         client = self.client
         log = client.log
         now = _clock()
-        if log is None or not (flush or now >= self._due):
+        if log is None or not (flush or now >= self.due):
             self.sampled = ()
             return None
         late = client.transport.late_replies - self._late_taken
@@ -185,7 +186,7 @@ class LookupStatsCollector:
             self.sampled = ()
             return None
         client.log = StepLog()
-        self._due = now + self.every_s
+        self.due = now + self.every_s
         self.sampled = log.sampled
         self._late_taken += late
         return LookoutLookupStats(data={STATS_KEY: [{

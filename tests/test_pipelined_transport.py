@@ -382,3 +382,33 @@ def test_a_blocking_calls_own_bound_spent_in_silence_rebuilds_the_socket(private
         assert transport.rebuilds == 1
     finally:
         transport.close()
+
+
+def test_an_answered_lookup_is_served_before_the_steps_hand_over(
+        filler: PrefixIndex, index: PrefixIndex, private_dir: Path) -> None:
+    """vLLM asks about the waiting queue oldest first, so a step's first call is usually for a request whose answer
+    came during the model step. Its answer must not wait for the hand-over of the lookups admitted this step:
+    that hand-over is done by the first call for a pending lookup, or at the step's end (the I/O thread sends
+    only once the scheduler lets go of the GIL anyway). Failed before: the step's first call handed over first."""
+    reqs, expected = _fill(filler, 2)
+    config = LookupConfig(lookup_async=True, lookup_transport="pipelined", lookup_timeout_ms=5000)
+    with LookupServer(index) as server:
+        client = LookupClient(config, make_transport(config, server.address))
+        try:
+            assert client.transport.hands_back  # async, no wait: the I/O thread's transport
+            old, new = reqs
+            assert client.start(old.req_id, old.num_tokens, old.block_hashes, admission=True) is not None
+            client.end_step()  # handed over; its answer comes back during the "model step"
+            _poll(lambda: bool(client.transport.news))
+            pending = client.start(new.req_id, new.num_tokens, new.block_hashes, admission=True)
+            assert pending is not None and pending.t_queued is None  # admitted this step, not handed over yet
+            answer = client.lookup(old.req_id, old.num_tokens, old.block_hashes, non_block=True)
+            assert answer is not None and answer.hit_length == expected[0]
+            assert pending.t_queued is None, "the answered lookup waited for the step's hand-over"
+            assert client.lookup(new.req_id, new.num_tokens, new.block_hashes, non_block=True) is None
+            assert pending.t_queued is not None  # its own first call handed it over
+            _poll(lambda: client.lookup(new.req_id, new.num_tokens, new.block_hashes, non_block=True) is not None)
+            assert client.lookup(new.req_id, new.num_tokens, new.block_hashes,
+                                 non_block=True).hit_length == expected[1]
+        finally:
+            client.close()

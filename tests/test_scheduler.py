@@ -175,6 +175,33 @@ def test_a_hung_store_never_holds_a_request_past_the_deadline(private_index, pri
     assert max(sec for _, sec in s.timer.calls) < 0.100 + SLACK_S
 
 
+def test_vllms_per_request_and_per_step_calls_reach_the_scheduler_side_in_one_call(stack_factory) -> None:
+    """vLLM's engine thread calls these once or more a request or a step, each cold after the model step: the
+    connector hands them straight to its scheduler side (failed before: each went through the connector's own
+    method first). A step with no record due answers vLLM's stats call at once, the client's log untouched."""
+    from mooncake_lookout.connector.scheduler_adapter import LookoutMooncakeStoreScheduler
+
+    s = stack_factory(lookup_async=True, lookup_timeout_ms=5000)
+    connector = s.driver.connector
+    ours = connector.connector_scheduler
+    for name in ("on_new_request", "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta"):
+        bound = getattr(connector, name)
+        assert bound.__self__ is ours and bound.__func__ is getattr(LookoutMooncakeStoreScheduler, name), name
+    assert connector.get_kv_connector_stats.__func__ is LookoutMooncakeStoreScheduler.take_stats
+    ours.telemetry.stats.every_s = 3600.0  # after the first step's record, none is due while this test runs
+    prompt = s.prompt(1, 96)
+    s.cache(prompt, 2)
+    s.driver.add(s.driver.make_request("one", prompt))
+    assert s.client.has("one")  # started at admission, through the bound call
+    s.driver.step()
+    s.driver.add(s.driver.make_request("two", s.prompt(2, 96)))
+    log = s.client.log
+    assert connector.get_kv_connector_stats() is None  # requests unfinished, the last record younger than due
+    assert s.client.log is log
+    stats = s.driver.run_until_idle(max_steps=2000)
+    assert sorted(stats.finished) == ["one", "two"] and stats.computed_at_admission["one"] == 2 * BLOCK_SIZE
+
+
 def test_abort_discards_pending_lookups(stack_factory, private_master) -> None:
     s = stack_factory(lookup_async=True)
     for i in range(16):
