@@ -6,10 +6,9 @@ What the scheduler can count on:
   at most what is left of the step's budget (``lookup_wait_us``, or ``auto``). A lookup *sent* and not
   answered by its deadline is a miss, counted as a timeout; time in the client's own queue is not the
   server's failure and never counts against the deadline or the breaker.
-* A step's lookups travel together: the step's first call takes in the answers that came, and the first call
-  for a pending lookup hands the transport every lookup started since the last hand-over (at admission
-  included); :meth:`end_step` hands over the rest. An answered lookup is served before the hand-over: async,
-  the I/O thread sends only once the scheduler lets go of the GIL, so the answer need not wait for it.
+* A step's lookups travel together: the step's first call takes in the answers that came; the first call for
+  a pending lookup hands over every lookup started since the last hand-over (an answer is served first: the
+  I/O thread sends only once the scheduler lets go of the GIL); :meth:`end_step` hands over the rest.
 * After ``lookup_breaker_failures`` consecutive failures, lookups answer a miss at once for
   ``lookup_breaker_cooldown_s``, then one probe decides.
 * At most ``lookup_max_pending`` lookups are queued or in flight: past it an admission starts none and a
