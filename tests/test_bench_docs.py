@@ -124,6 +124,20 @@ def test_a_target_judged_at_its_worst_size_names_each_runs_size_in_its_own_cell(
     assert " at 64 blocks, " in cells[0] and " at 512 blocks, " in cells[1]
 
 
+def test_the_prompt_length_table_shows_each_clients_whole_engine_step() -> None:
+    """A request waits for engine steps (arrivals, schedule(), the model step, vLLM's update), not for schedule()
+    alone: (f)'s table shows each client's mean step, the run's seconds over its steps (failed before: no such
+    column, so a client cheaper in schedule() and dearer around it looked cheaper)."""
+    run = first_run()
+    mode = run["f"]["lengths"][0]["modes"]["ours async"]
+    mode["seconds"], mode["steps"] = 6.5, 2000
+    table = doc_tables.render_scenarios(runs_of(run)).split("(f) prompt length", 1)[1].splitlines()
+    header = next(line for line in table if line.startswith("| blocks "))
+    row = next(line for line in table if line.startswith(f"| {run['f']['lengths'][0]['blocks']} | ours async |"))
+    column = [c.strip() for c in header.split("|")].index("engine step mean (ms)")
+    assert [c.strip() for c in row.split("|")][column] == "3.25"
+
+
 def test_several_runs_render_one_column_or_figure_each_beside_their_load() -> None:
     one = first_run()
     two = copy.deepcopy(one)

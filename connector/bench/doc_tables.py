@@ -422,6 +422,15 @@ def _f(blocks: str, label: str, *path: str, scale: float = 1.0) -> Figure:
     return lambda r: _scaled(get(_length(r, blocks), "modes", label, *path), scale)
 
 
+def _engine_step_ms(blocks: str, label: str) -> Figure:
+    """A client's whole engine step, mean: arrivals, ``schedule()``, the model step and vLLM's update, the run's
+    seconds over its steps. What a request waits for is steps of this length, not ``schedule()`` alone."""
+    def figure(r: dict[str, Any]) -> float | None:
+        seconds, steps = (get(_length(r, blocks), "modes", label, key) for key in ("seconds", "steps"))
+        return seconds / steps * 1e3 if seconds is not None and steps else None
+    return figure
+
+
 def _scenario_f(runs: Sequence[Run]) -> list[str]:
     lengths = ordered_union([str(x["blocks"]) for x in get(r.results, "f", "lengths") or ()] for r in runs)
     rows = []
@@ -429,11 +438,12 @@ def _scenario_f(runs: Sequence[Run]) -> list[str]:
         for x in ordered_union(get(_length(r.results, blocks), "modes") or {} for r in runs):
             rows.append([blocks, x, across(runs, _f(blocks, x, "call_us", "p50")),
                          across(runs, _f(blocks, x, "schedule_us", "mean")),
+                         across(runs, _engine_step_ms(blocks, x), 2),
                          across(runs, _f(blocks, x, "answer_delay_us", "p50", scale=MS), 1),
                          across(runs, _f(blocks, x, "mean_deferred_steps"), 2)])
     return ["**(f) prompt length through vLLM's scheduler, both async**", "",
-            *_table(["blocks", "client", "call p50 (us)", "schedule() mean (us)", "answer p50 (ms)",
-                     "deferred/request"], rows)]
+            *_table(["blocks", "client", "call p50 (us)", "schedule() mean (us)", "engine step mean (ms)",
+                     "answer p50 (ms)", "deferred/request"], rows)]
 
 
 def _backends(runs: Sequence[Run]) -> list[str]:
