@@ -91,6 +91,18 @@ def test_healthy_baseline_serves_exactly_the_truth(rig: FaultRig, work: list[Any
         assert answers[f"base-{i}"].hit_length == rig.truth(r.num_tokens, r.block_hashes)
 
 
+def test_the_rig_knows_when_the_transport_last_sent(rig: FaultRig, work: list[Any]) -> None:
+    """``ask_all``'s bound for a queued lookup ("it ends with the one sent ahead of it") needs that one's send time.
+    With ``upstream`` the transport's thread sends after the client's hand-over, whose ``started`` event cannot
+    say when: the rig reads the thread's own record (failed before: the bound fell back to the time queued, stricter
+    than the rule by the thread's send lag, and the killed-server test failed in CI by 0.5 ms)."""
+    r = work[0]
+    answer = rig.client.lookup("sent-0", r.num_tokens, r.block_hashes, non_block=False)
+    assert answer is not None and answer.t_start is not None
+    assert rig.last_sent >= answer.t_start
+    rig.client.discard("sent-0")
+
+
 def test_server_killed_with_lookups_in_flight_then_restarted(rig: FaultRig, work: list[Any]) -> None:
     client = rig.client
     for i, r in enumerate(work):

@@ -225,8 +225,12 @@ class FaultRig:
 
     @property
     def last_sent(self) -> float:
-        """When the rig's clients last sent a lookup: a lookup still queued ends with the one sent ahead of it."""
-        return self._log.last_sent
+        """When the rig's clients last sent a lookup: a lookup still queued ends with the one sent ahead of it.
+
+        The ``upstream`` transport's thread sends after the hand-over, so the client's ``started`` event (made at
+        the hand-over) rarely knows when; that thread records its own last send, read here too. Read it after
+        the call being judged: a send in between can only make the bound later, never a false violation."""
+        return max(self._log.last_sent, getattr(self.client.transport, "last_sent", 0.0))
 
     def cache_figures(self) -> dict[str, Any]:
         """The rig's clients' prefix cache so far: blocks that could count, blocks it knew, answers with no
