@@ -30,18 +30,29 @@ _seeds = itertools.count(1)
 
 
 class CallTimer(NullObserver):
-    """The longest time one scheduler call spent in the lookup path, and "ask again" told past a deadline."""
+    """The longest time one scheduler call spent in the lookup path, and "ask again" told past a deadline.
 
-    def __init__(self) -> None:
+    ``transport``: the client's, whose own record of its last send (the ``upstream`` transport's thread sends after
+    the hand-over, so the ``started`` event made at the hand-over does not know when) joins the events' own.
+    """
+
+    def __init__(self, transport: Any = None) -> None:
         self.budget = CallBudget(TIMEOUT_MS / 1000, slack_s=SLACK_S)
         self.late_deferrals: list[str] = []
-        self.last_sent = 0.0
+        self.transport = transport
+        self._last_started = 0.0
+
+    @property
+    def last_sent(self) -> float:
+        """When a lookup was last sent, as the events and the transport itself know it."""
+        return max(self._last_started, getattr(self.transport, "last_sent", 0.0))
 
     def scheduler_call(self, mode: str, seconds: float) -> None:
         self.budget.record(seconds)
 
     def started(self, rec: Any) -> None:
-        self.last_sent = max(self.last_sent, rec.t_start)
+        if rec.t_start is not None:  # None: handed to a transport whose own thread sends it later
+            self._last_started = max(self._last_started, rec.t_start)
 
     def deferred(self, rec: Any) -> None:
         # A lookup's deadline runs from when it was sent (time queued in the client is not the server's); one
@@ -77,7 +88,7 @@ class Run:
         self.driver = SchedulerDriver(make_vllm_config(cfg), num_blocks=num_blocks)
         self.client = self.driver.connector.lookup_client
         self.counter = OutcomeCounter()
-        self.timer = CallTimer()
+        self.timer = CallTimer(self.client.transport)
         self.client.observers.add(self.counter)
         self.client.observers.add(self.timer)
         self.step_starts: list[float] = []
@@ -167,6 +178,21 @@ def run_factory(rig: FaultRig) -> Iterator[Any]:
         rig.server.resume()
     else:
         rig.server.start()
+
+
+def test_the_timer_knows_when_the_transport_last_sent(run_factory, rig: FaultRig) -> None:
+    """The timer's bound on a deferred, still queued lookup ("it ends with the one sent ahead of it") needs that
+    one's send time. With ``upstream`` the ``started`` event comes before the transport's thread sends: the timer
+    took the max with ``None`` there (a TypeError the observer set logged and skipped) and kept 0.0, a bound
+    stricter than the rule by the thread's send lag (failed before, as the soak rig's bound did in CI)."""
+    run = run_factory()
+    hashes = run.driver.block_hashes(list(range(1, 129)))
+    run.timer.started(run.client.start("queued-0", 128, hashes))  # handed over later: not sent yet, no error
+    answer = run.client.lookup("sent-0", 128, hashes, non_block=False)
+    assert answer is not None and answer.t_start is not None
+    assert run.timer.last_sent >= answer.t_start
+    run.client.discard("queued-0")
+    run.client.discard("sent-0")
 
 
 @pytest.mark.parametrize("mode", [{"lookup_async": False}, {"lookup_async": True}], ids=["sync", "async"])
