@@ -18,9 +18,12 @@ from typing import Any
 import pytest
 
 from mooncake_lookout.connector.bench import multi_turn
+from mooncake_lookout.connector.bench.call import step_frames
 from mooncake_lookout.connector.bench.conversations import Shape
 from mooncake_lookout.connector.bench.fleet_workloads import MULTI_TURN, SHARED_PREFIX, FleetWorkload
+from mooncake_lookout.connector.bench.floors import joined_frame, key_frame
 from mooncake_lookout.connector.bench.run import AUTO, QUICK, SCENARIOS, TARGET_IDS, format_report, selected
+from mooncake_lookout.connector.bench.sched import ARRIVALS_PER_STEP
 
 SCRIPT = Path(sys.executable).parent / "mooncake-lookout"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -48,6 +51,7 @@ def test_quick_bench_writes_json_table_and_plots(quick_bench: tuple[Path, dict[s
     assert len(hits) == 1 and hits.pop() > 0, "the clients disagree on what the store holds"
     floors = results["floors"]
     assert floors["round_trip_us"]["n"] == 100 and floors["touch_us"]["n"] > 0 and floors["split_us"]["n"] > 0
+    assert floors["step_round_trip_us"]["n"] > 0  # (c)'s step: its arrivals' keys in one store call
     # The touch floor is the caller's side only: it cannot take longer than a whole round trip.
     assert floors["touch_us"]["p50"] < floors["round_trip_us"]["p50"]
     a4 = results["a4"]["clients"]
@@ -163,3 +167,13 @@ def test_only_names_the_scenarios_it_knows() -> None:
         selected(["x", "h"])
     done = subprocess.run([str(SCRIPT), "bench", "--only", "f,zz"], capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "unknown scenario 'zz'" in done.stderr and "f-load" in done.stderr
+
+
+def test_the_step_floor_asks_each_steps_keys_once_in_one_store_call() -> None:
+    """(c)'s step round-trip floor: each group of a step's arrivals in one frame, a key shared by two of them asked
+    once (as our server asks a frame's lookups), a short rest left out rather than measured as a smaller step."""
+    frames = [key_frame([f"p{i % 2}", f"own{i}"]) for i in range(2 * ARRIVALS_PER_STEP + 1)]
+    steps = step_frames(frames)
+    assert len(steps) == 2
+    assert steps[0].split(b"\n") == [b"p0", b"own0", b"p1", b"own1", b"own2", b"own3"]
+    assert joined_frame([key_frame(["a", "b"]), key_frame(["b", "c"])]) == b"a\nb\nc"

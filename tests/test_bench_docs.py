@@ -138,6 +138,19 @@ def test_the_prompt_length_table_shows_each_clients_whole_engine_step() -> None:
     assert [c.strip() for c in row.split("|")][column] == "3.25"
 
 
+def test_the_auto_calls_are_set_beside_the_step_round_trip_floor() -> None:
+    """c2 divides a call that waits for a whole step's answers, after a model step, by one lookup asked warm: (c)'s
+    section also sets it beside the floor of that same step (failed before: no such floor, no such line)."""
+    run = first_run()
+    run["floors"]["step_round_trip_us"] = {**run["floors"]["round_trip_us"], "p99": 500.0}
+    auto = next(m for m in run["c"]["modes"] if m["label"] == doc_tables.AUTO)
+    auto["call_us"]["p99"] = 600.0
+    section = doc_tables.render_scenarios(runs_of(run)).split("**(c) vLLM's scheduler", 1)[1].split("**(d)", 1)[0]
+    line = next(line for line in section.splitlines() if "step round-trip floor" in line)
+    assert line.endswith(": 1.20")
+    assert "| step round-trip floor |" in doc_tables.render_scenarios(runs_of(run))
+
+
 def test_several_runs_render_one_column_or_figure_each_beside_their_load() -> None:
     one = first_run()
     two = copy.deepcopy(one)

@@ -9,7 +9,8 @@ and spans sampled as the Helm chart samples them); upstream's has no telemetry. 
 and ours with no telemetry, are rows of their own, each measured in a process of its own (:mod:`.solo`), so no
 other client's telemetry thread runs while they are timed.
 
-The floors (:mod:`.floors`) are measured in the same rotation: the round-trip floor beside the blocking
+The floors (:mod:`.floors`) are measured in the same rotation: the round-trip floors (one lookup; and one
+step of scenario (c): its arrivals' keys in one store call, after its model step's pause) beside the blocking
 calls, the touch and split floors beside the async ones. Every client and floor takes its turn on a small
 block of requests, in a rotating order, so drift on a shared machine hits all alike.
 """
@@ -20,8 +21,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mooncake_lookout.connector.bench.floors import FloorServer
+from mooncake_lookout.connector.bench.floors import FloorServer, joined_frame
 from mooncake_lookout.connector.bench.rig import ClientMaker, close_upstream_client, summary_us
+from mooncake_lookout.connector.bench.sched import ARRIVALS_PER_STEP, MODEL_STEP_S
 from mooncake_lookout.connector.bench.wiring import NONE, PRODUCTION, Wired, label
 from mooncake_lookout.connector.rigs.workload import WorkloadRequest
 
@@ -31,6 +33,7 @@ OTHER_SOCKET = "the other socket"  # blocking on the I/O thread's socket, async 
 ROUND_TRIP_FLOOR = "round-trip floor"
 TOUCH_FLOOR = "touch floor"
 SPLIT_FLOOR = "split floor"
+STEP_FLOOR = "step round-trip floor"
 
 
 def make_client(rig: ClientMaker, name: str, wiring: str = PRODUCTION, *, socket: str | None = None,
@@ -102,6 +105,12 @@ def time_async(client: Any, requests: Sequence[WorkloadRequest], tag: str, step_
     return first, total, polls
 
 
+def step_frames(frames: Sequence[bytes], per_step: int = ARRIVALS_PER_STEP) -> list[bytes]:
+    """The step round-trip floor's requests: ``frames`` taken ``per_step`` at a time (a short rest is left out), each
+    group's keys in one frame."""
+    return [joined_frame(frames[i:i + per_step]) for i in range(0, len(frames) - per_step + 1, per_step)]
+
+
 def blocks(requests: Sequence[WorkloadRequest], size: int) -> list[Sequence[WorkloadRequest]]:
     """``requests`` cut into consecutive blocks of ``size`` (the last one may be shorter)."""
     return [requests[i:i + size] for i in range(0, len(requests), size)]
@@ -132,19 +141,23 @@ def run(rig: ClientMaker, requests: Sequence[WorkloadRequest], floor: FloorServe
     first: dict[str, list[float]] = {name: [] for name in clients}
     total: dict[str, list[float]] = {name: [] for name in clients}
     polls: dict[str, list[int]] = {name: [] for name in clients}
-    floors: dict[str, list[float]] = {ROUND_TRIP_FLOOR: [], TOUCH_FLOOR: [], SPLIT_FLOOR: []}
+    floors: dict[str, list[float]] = {ROUND_TRIP_FLOOR: [], STEP_FLOOR: [], TOUCH_FLOOR: [], SPLIT_FLOOR: []}
     try:
         for name, (client, _) in clients.items():
             time_sync(client, requests[:20], f"warm-{name}")
         if floor is not None:
             floor.round_trips(frames[:20])
-        rotation = [*clients, *([ROUND_TRIP_FLOOR] if floor is not None else [])]
+        rotation = [*clients, *([ROUND_TRIP_FLOOR, STEP_FLOOR] if floor is not None else [])]
         for i, chunk in enumerate(blocks(requests, block)):
             for k in range(len(rotation)):
                 name = rotation[(i + k) % len(rotation)]
                 if name == ROUND_TRIP_FLOOR:
                     assert floor is not None
                     floors[name] += floor.round_trips(frames[i * block:i * block + len(chunk)])
+                elif name == STEP_FLOOR:
+                    assert floor is not None
+                    floors[name] += floor.round_trips(step_frames(frames[i * block:i * block + len(chunk)]),
+                                                      pause_s=MODEL_STEP_S)
                 else:
                     sync[name] += time_sync(clients[name][0], chunk, f"sync{i}")
         rotation = [*clients, *([TOUCH_FLOOR, SPLIT_FLOOR] if floor is not None else [])]
@@ -170,11 +183,12 @@ def run(rig: ClientMaker, requests: Sequence[WorkloadRequest], floor: FloorServe
         out["raw"][name] = {"sync": sync[name], "async_first": first[name]}
     if floor is not None:
         out["floors"] = {"round_trip_us": summary_us(floors[ROUND_TRIP_FLOOR]),
+                         "step_round_trip_us": summary_us(floors[STEP_FLOOR]),
                          "touch_us": summary_us(floors[TOUCH_FLOOR]), "split_us": summary_us(floors[SPLIT_FLOOR])}
         out["raw"][ROUND_TRIP_FLOOR] = {"sync": floors[ROUND_TRIP_FLOOR]}
         out["raw"][TOUCH_FLOOR] = {"async_first": floors[TOUCH_FLOOR]}
     return out
 
 
-__all__ = ["CLIENTS", "OTHER_SOCKET", "OTHER_SOCKET_OF", "ROUND_TRIP_FLOOR", "SPLIT_FLOOR", "TOUCH_FLOOR", "blocks",
-           "make_client", "run", "time_async", "time_sync"]
+__all__ = ["CLIENTS", "OTHER_SOCKET", "OTHER_SOCKET_OF", "ROUND_TRIP_FLOOR", "SPLIT_FLOOR", "STEP_FLOOR", "TOUCH_FLOOR",
+           "blocks", "make_client", "run", "step_frames", "time_async", "time_sync"]

@@ -6,6 +6,10 @@ measured in the same run as the clients they judge:
 * **round-trip floor**: a raw ZMQ DEALER on the caller's thread, a raw ROUTER in a child process whose
   handler makes one real ``batch_is_exist`` of the lookup's keys and replies. The p50/p99 of a blocking
   round trip (send, wait, receive) is what any blocking lookup between two processes pays here.
+* **step round-trip floor**: the same for one step of scenario (c): its new requests' keys in one store call
+  (each key once, as our server asks them), each round trip after a pause as long as (c)'s model step. What a
+  call that waits for a step's answers pays with no lookup library at all: the round-trip floor is one lookup,
+  asked back to back while everything is warm; (c)'s calls wait for several, after a model step.
 * **touch floor**: one send plus one drain of a reply that has already arrived, on the caller's thread:
   the caller's CPU cost only (the round trip happened while it slept, as during a model step). A client
   that sends and drains once per step cannot cost the scheduler's thread less per step.
@@ -45,6 +49,11 @@ READY_PREFIX = "floor listening on "
 def key_frame(keys: Sequence[str]) -> bytes:
     """One floor request: the store keys of a lookup, newline-joined."""
     return "\n".join(keys).encode()
+
+
+def joined_frame(frames: Sequence[bytes]) -> bytes:
+    """One floor request for several lookups: their keys in one store call, each key once."""
+    return b"\n".join(dict.fromkeys(key for frame in frames for key in frame.split(b"\n")))
 
 
 # -- parent side -------------------------------------------------------------------------------------------
@@ -92,12 +101,15 @@ class FloorServer:
             raise RuntimeError("the floor server is not started")
         return self._sock
 
-    def round_trips(self, frames: Sequence[bytes], timeout_s: float = 10.0) -> list[float]:
-        """Seconds of each blocking round trip: send one frame, wait for its reply, receive it."""
+    def round_trips(self, frames: Sequence[bytes], timeout_s: float = 10.0, pause_s: float = 0.0) -> list[float]:
+        """Seconds of each blocking round trip: send one frame, wait for its reply, receive it; ``pause_s``: sleep
+        that long before each (untimed), as a scheduler's model step comes between its lookups."""
         sock = self._socket()
         out = []
         timeout_ms = int(timeout_s * 1000)
         for frame in frames:
+            if pause_s > 0:
+                time.sleep(pause_s)
             t0 = time.perf_counter()
             sock.send(frame, flags=zmq.NOBLOCK, copy=False)
             if not sock.poll(timeout_ms, zmq.POLLIN):
@@ -229,7 +241,7 @@ def child_main(argv: Sequence[str] | None = None) -> int:
     os._exit(0)  # the store client's close() takes ~1 s; a child being stopped need not wait for it
 
 
-__all__ = ["CHILD_MODULE", "FloorServer", "READY_PREFIX", "child_main", "key_frame"]
+__all__ = ["CHILD_MODULE", "FloorServer", "READY_PREFIX", "child_main", "joined_frame", "key_frame"]
 
 if __name__ == "__main__":
     sys.exit(child_main())

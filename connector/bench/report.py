@@ -35,6 +35,9 @@ def floors_block(r: dict[str, Any]) -> list[str]:
     if "split_us" in fl:
         lines.append(f"  split floor (a send, one step, then one recv)               p50 {fmt(fl['split_us']['p50'])}"
                      f"  p99 {fmt(fl['split_us']['p99'])}")
+    if "step_round_trip_us" in fl:
+        lines.append(f"  step round-trip floor ((c)'s step: its keys, one call, cold) p50 "
+                     f"{fmt(fl['step_round_trip_us']['p50'])}  p99 {fmt(fl['step_round_trip_us']['p99'])}")
     return lines
 
 
@@ -94,6 +97,10 @@ def c_block(r: dict[str, Any]) -> list[str]:
         if "auto" in m["label"] and state:
             lines.append(f"    at the end: measured round trip p90 {fmt(state['rtt_p90_us'])} us, step interval "
                          f"{fmt(state['step_interval_us'])} us, cap {fmt(state['cap_us'])} us")
+            step_floor = r.get("floors", {}).get("step_round_trip_us", {}).get("p99")
+            if step_floor:
+                lines.append(f"    one call p99 / the step round-trip floor's p99 (reported; c2 divides by the "
+                             f"one-lookup floor): {m['call_us']['p99'] / step_floor:.2f}")
     return lines
 
 

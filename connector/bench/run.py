@@ -201,7 +201,8 @@ def _on_the_rig(results: dict[str, Any], sizes: Sizes, chosen: Sequence[str], t_
         if "c" in chosen:
             step("c", "(c) vLLM's scheduler per lookup mode ...")
             workload = sched.Workload()
-            results["c"] = {"steps": sizes.sched_steps, "arrivals_per_step": 4, "model_step_ms": 1.5,
+            results["c"] = {"steps": sizes.sched_steps, "arrivals_per_step": sched.ARRIVALS_PER_STEP,
+                            "model_step_ms": sched.MODEL_STEP_S * 1e3,
                             "modes": [sched.run_mode(rig, workload, m, steps=sizes.sched_steps).as_dict()
                                       for m in _modes(sizes)]}
         if "e" in chosen:

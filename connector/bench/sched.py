@@ -21,6 +21,9 @@ from mooncake_lookout.connector.bench.rig import Rig, close_upstream_client, sum
 from mooncake_lookout.connector.events import LookupObserver, LookupRecord, OutcomeCounter
 from mooncake_lookout.connector.transport.names import PIPELINED
 
+ARRIVALS_PER_STEP = 4  # scenario (c): new requests before each step
+MODEL_STEP_S = 0.0015  # scenario (c): the model's forward pass between steps
+
 
 @dataclass(frozen=True)
 class Mode:
@@ -201,8 +204,9 @@ class Workload:
         return rig.index.store_prefixes(lists)
 
 
-def run_mode(rig: Rig, workload: Prompts, m: Mode, *, arrivals_per_step: int = 4, steps: int | None = 200,
-             seconds: float | None = None, model_step_s: float = 0.0015, first_request: int = 0,
+def run_mode(rig: Rig, workload: Prompts, m: Mode, *, arrivals_per_step: int = ARRIVALS_PER_STEP,
+             steps: int | None = 200, seconds: float | None = None, model_step_s: float = MODEL_STEP_S,
+             first_request: int = 0,
              observers: Iterable[LookupObserver] = (), on_step: Callable[[SchedRun], None] | None = None,
              should_stop: Callable[[], bool] = lambda: False, drain_s: float = 5.0, arrival_every: int = 1,
              num_blocks: int = 16_384, max_model_len: int = 2048, tally: bool = True,
@@ -368,4 +372,5 @@ def _step(driver: Any, probe: CallProbe, run: SchedRun) -> None:
     run.blocked_per_step.append(probe.step_blocked)
 
 
-__all__ = ["CallProbe", "Mode", "Prompts", "SchedRun", "TokenTally", "Workload", "merge_runs", "mode", "run_mode"]
+__all__ = ["ARRIVALS_PER_STEP", "CallProbe", "MODEL_STEP_S", "Mode", "Prompts", "SchedRun", "TokenTally",
+           "Workload", "merge_runs", "mode", "run_mode"]
