@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from mooncake_lookout.connector.events import NullObserver, Outcome, OutcomeCounter
+from mooncake_lookout.connector.events import Outcome, OutcomeCounter
 from mooncake_lookout.connector.rigs.scheduler_driver import BLOCK_SIZE, SchedulerDriver, make_vllm_config
-from mooncake_lookout.connector.rigs.soak import SLACK_S, CallBudget, FaultRig
+from mooncake_lookout.connector.rigs.soak import SLACK_S, CallBudget, FaultRig, SendClock
 from mooncake_lookout.connector.rigs.workload import WorkloadRequest
 
 pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
@@ -29,30 +29,17 @@ _ports = itertools.count(31_000)
 _seeds = itertools.count(1)
 
 
-class CallTimer(NullObserver):
-    """The longest time one scheduler call spent in the lookup path, and "ask again" told past a deadline.
-
-    ``transport``: the client's, whose own record of its last send (the ``upstream`` transport's thread sends after
-    the hand-over, so the ``started`` event made at the hand-over does not know when) joins the events' own.
-    """
+class CallTimer(SendClock):
+    """The longest time one scheduler call spent in the lookup path, and "ask again" told past a deadline
+    (``transport``: the client's, see :class:`SendClock`)."""
 
     def __init__(self, transport: Any = None) -> None:
+        super().__init__(transport)
         self.budget = CallBudget(TIMEOUT_MS / 1000, slack_s=SLACK_S)
         self.late_deferrals: list[str] = []
-        self.transport = transport
-        self._last_started = 0.0
-
-    @property
-    def last_sent(self) -> float:
-        """When a lookup was last sent, as the events and the transport itself know it."""
-        return max(self._last_started, getattr(self.transport, "last_sent", 0.0))
 
     def scheduler_call(self, mode: str, seconds: float) -> None:
         self.budget.record(seconds)
-
-    def started(self, rec: Any) -> None:
-        if rec.t_start is not None:  # None: handed to a transport whose own thread sends it later
-            self._last_started = max(self._last_started, rec.t_start)
 
     def deferred(self, rec: Any) -> None:
         # A lookup's deadline runs from when it was sent (time queued in the client is not the server's); one

@@ -149,15 +149,15 @@ def run(rig: ClientMaker, requests: Sequence[WorkloadRequest], floor: FloorServe
             floor.round_trips(frames[:20])
         rotation = [*clients, *([ROUND_TRIP_FLOOR, STEP_FLOOR] if floor is not None else [])]
         for i, chunk in enumerate(blocks(requests, block)):
+            part = frames[i * block:i * block + len(chunk)]
             for k in range(len(rotation)):
                 name = rotation[(i + k) % len(rotation)]
                 if name == ROUND_TRIP_FLOOR:
                     assert floor is not None
-                    floors[name] += floor.round_trips(frames[i * block:i * block + len(chunk)])
+                    floors[name] += floor.round_trips(part)
                 elif name == STEP_FLOOR:
                     assert floor is not None
-                    floors[name] += floor.round_trips(step_frames(frames[i * block:i * block + len(chunk)]),
-                                                      pause_s=MODEL_STEP_S)
+                    floors[name] += floor.round_trips(step_frames(part), pause_s=MODEL_STEP_S)
                 else:
                     sync[name] += time_sync(clients[name][0], chunk, f"sync{i}")
         rotation = [*clients, *([TOUCH_FLOOR, SPLIT_FLOOR] if floor is not None else [])]

@@ -22,6 +22,7 @@ from mooncake_lookout.connector.bench.records import (
     num,
     ordered_union,
 )
+from mooncake_lookout.connector.bench.report import vs_step_floor
 from mooncake_lookout.connector.bench.run import AUTO, format_report
 
 Figure = Callable[[dict[str, Any]], Any]
@@ -388,16 +389,12 @@ def _scenario_c(runs: Sequence[Run]) -> list[str]:
              across(runs, _blocked(x, "mean")), across(runs, _blocked(x, "p99")),
              across(runs, lambda r, x=x: get(mode(r, x), "mean_deferred_steps"), 2), across(runs, _delay_ms(x), 1)]
             for x in labels]
-    def auto_vs_step_floor(r: dict[str, Any]) -> float | None:
-        call, floor = get(mode(r, AUTO), "call_us", "p99"), get(r, "floors", "step_round_trip_us", "p99")
-        return call / floor if call is not None and floor else None
-
     return ["**(c) vLLM's scheduler per lookup mode** (us unless named)", "",
             *_table(["mode", "call p50", "call p99", "call max", "blocked/step mean", "blocked/step p99",
                      "deferred/request", "answer p50 (ms)"], rows), "",
             f"`{AUTO}`: one call p99 / the step round-trip floor's p99 (the same step's keys in one store call, "
             f"after a model step's pause; reported, not targeted: c2 divides by the one-lookup floor, asked warm): "
-            f"{across(runs, auto_vs_step_floor, 2)}"]
+            f"{across(runs, lambda r: vs_step_floor(r, mode(r, AUTO)), 2)}"]
 
 
 def _scenario_d(runs: Sequence[Run]) -> list[str]:

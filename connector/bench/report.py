@@ -24,6 +24,14 @@ def fmt(v: Any, digits: int = 1) -> str:
     return str(v)
 
 
+def vs_step_floor(r: dict[str, Any], m: dict[str, Any] | None) -> float | None:
+    """Mode ``m``'s one-call p99 over the step round-trip floor's p99 (reported beside c2), or None if either is
+    missing."""
+    call = ((m or {}).get("call_us") or {}).get("p99")
+    floor = (r.get("floors") or {}).get("step_round_trip_us", {}).get("p99")
+    return call / floor if call is not None and floor else None
+
+
 def floors_block(r: dict[str, Any]) -> list[str]:
     """The two floors, p50 and p99."""
     fl = r["floors"]
@@ -97,10 +105,9 @@ def c_block(r: dict[str, Any]) -> list[str]:
         if "auto" in m["label"] and state:
             lines.append(f"    at the end: measured round trip p90 {fmt(state['rtt_p90_us'])} us, step interval "
                          f"{fmt(state['step_interval_us'])} us, cap {fmt(state['cap_us'])} us")
-            step_floor = r.get("floors", {}).get("step_round_trip_us", {}).get("p99")
-            if step_floor:
+            if (ratio := vs_step_floor(r, m)) is not None:
                 lines.append(f"    one call p99 / the step round-trip floor's p99 (reported; c2 divides by the "
-                             f"one-lookup floor): {m['call_us']['p99'] / step_floor:.2f}")
+                             f"one-lookup floor): {ratio:.2f}")
     return lines
 
 
@@ -282,4 +289,4 @@ def targets_block(entries: list[dict[str, Any]]) -> list[str]:
 
 
 __all__ = ["a4_block", "a_block", "b_block", "backends_block", "c_block", "d_block", "e_block", "f_block",
-           "f_load_block", "floors_block", "fmt", "g_block", "h_block", "ratio", "targets_block"]
+           "f_load_block", "floors_block", "fmt", "g_block", "h_block", "ratio", "targets_block", "vs_step_floor"]

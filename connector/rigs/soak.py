@@ -145,19 +145,37 @@ class Violations:
         return not (self.wrong or self.stale or self.slow_calls or self.late_answers or self.pending_left)
 
 
-class _ClientLog(NullObserver):
-    """When the latest lookup was sent (on the transport's thread with ``upstream``: a float is written whole)
-    and how each request's latest lookup ended."""
+class SendClock(NullObserver):
+    """When a client last sent a lookup: the bound on one still queued ends with the one sent ahead of it.
+
+    Its ``started`` events say when, except with the ``upstream`` transport, whose thread sends after the hand-over
+    (the event's ``t_start`` is then ``None``): that thread records its own last send (a float, written whole),
+    read here too. Read :attr:`last_sent` after the call being judged: a send in between can only make the bound
+    later, never a false violation.
+    """
+
+    def __init__(self, transport: Any = None) -> None:
+        self.transport = transport
+        self._started = 0.0
+
+    @property
+    def last_sent(self) -> float:
+        """The latest send, as the events and the transport itself know it."""
+        return max(self._started, getattr(self.transport, "last_sent", 0.0))
+
+    def started(self, rec: LookupRecord) -> None:
+        if rec.t_start is not None and rec.t_start > self._started:
+            self._started = rec.t_start
+
+
+class _ClientLog(SendClock):
+    """When the latest lookup was sent, and how each request's latest lookup ended."""
 
     def __init__(self) -> None:
-        self.last_sent = 0.0
+        super().__init__()
         self.outcomes: dict[str, Outcome] = {}
         self.cache = {"countable_blocks": 0, "known_blocks": 0, "answered_from_cache": 0}
         self.cache_clears: dict[str, int] = {}
-
-    def started(self, rec: LookupRecord) -> None:
-        if rec.t_start is not None and rec.t_start > self.last_sent:
-            self.last_sent = rec.t_start
 
     def consumed(self, rec: LookupRecord) -> None:
         if rec.outcome is not None:
@@ -210,6 +228,7 @@ class FaultRig:
                                           **(config or {})})
             self.budget = CallBudget(self.config.timeout_s)
             self.client = self.new_client()
+            self._log.transport = self.client.transport
         except BaseException:
             self._stack.close()
             raise
@@ -225,12 +244,8 @@ class FaultRig:
 
     @property
     def last_sent(self) -> float:
-        """When the rig's clients last sent a lookup: a lookup still queued ends with the one sent ahead of it.
-
-        The ``upstream`` transport's thread sends after the hand-over, so the client's ``started`` event (made at
-        the hand-over) rarely knows when; that thread records its own last send, read here too. Read it after
-        the call being judged: a send in between can only make the bound later, never a false violation."""
-        return max(self._log.last_sent, getattr(self.client.transport, "last_sent", 0.0))
+        """When the rig's clients last sent a lookup (:class:`SendClock`)."""
+        return self._log.last_sent
 
     def cache_figures(self) -> dict[str, Any]:
         """The rig's clients' prefix cache so far: blocks that could count, blocks it knew, answers with no
@@ -672,8 +687,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0 if report.ok else 1
 
 
-__all__ = ["CallBudget", "FAULTS", "FaultRig", "SoakPlan", "SoakReport", "Tally", "Violations", "main", "poll_until",
-           "rss_bytes", "run_soak"]
+__all__ = ["CallBudget", "FAULTS", "FaultRig", "SendClock", "SoakPlan", "SoakReport", "Tally", "Violations", "main",
+           "poll_until", "rss_bytes", "run_soak"]
 
 if __name__ == "__main__":
     sys.exit(main())
