@@ -8,7 +8,9 @@ What the scheduler can count on:
   server's failure and never counts against the deadline or the breaker.
 * A step's lookups travel together: the step's first call takes in the answers that came; the first call for
   a pending lookup hands over every lookup started since the last hand-over (an answer is served first: the
-  I/O thread sends only once the scheduler lets go of the GIL); :meth:`end_step` hands over the rest.
+  I/O thread sends only once the scheduler lets go of the GIL); :meth:`end_step` hands over the rest. With the
+  socket on this thread (blocking, or a wait budget) a step's first :data:`ADMISSION_FRAMES` admissions leave at
+  once, a frame each: the round trip runs while vLLM takes in its input and schedules its running requests.
 * After ``lookup_breaker_failures`` consecutive failures, lookups answer a miss at once for
   ``lookup_breaker_cooldown_s``, then one probe decides.
 * At most ``lookup_max_pending`` lookups are queued or in flight: past it an admission starts none and a
@@ -45,6 +47,7 @@ from mooncake_lookout.connector.transport.base import Transport, TransportClosed
 from mooncake_lookout.connector.wait_budget import WaitBudget
 
 _clock = time.perf_counter
+ADMISSION_FRAMES = 4  # frames a step sent at admission; past them, a send each costs more than a head start gains
 
 
 class LookupClient(Reporting):
@@ -72,6 +75,7 @@ class LookupClient(Reporting):
         self._unsent: list[Lookup] = []
         self._news = transport.news  # answers a transport's own thread handed back, not applied yet
         self._reads_socket = not transport.hands_back  # collect reads a socket itself (else: only when news came)
+        self._admission_frames = self._admission_frames_left = ADMISSION_FRAMES if self._reads_socket else 0
         # The store's epoch as answers name it (a wipe by anyone changes it) and the prefix cache under it,
         # on once the scheduler adapter says the layout allows it (prefix_cache.py).
         self.store_view = StoreView(config, self._cache_cleared)
@@ -195,18 +199,20 @@ class LookupClient(Reporting):
 
     def start(self, req_id: str, num_tokens: int, block_hashes: Sequence[bytes], *,
               trace_headers: Mapping[str, str] | None = None, admission: bool = False) -> Lookup | None:
-        """Make sure a current lookup exists for this request (e.g. at admission); never waits, never sends.
-
-        ``admission``: the caller can wait (a lookup at admission, or a non-blocking ask), so past
-        ``lookup_max_pending`` nothing is started (returns ``None``) instead of refusing the request.
-        """
+        """Make sure a current lookup exists for this request (e.g. at admission); never waits. ``admission``: the
+        caller can wait, so past ``lookup_max_pending`` nothing is started (``None``) instead of refusing the
+        request; the lookup may leave at once (the module's docstring says when)."""
         lk = self._lookups.get(req_id)
         if lk is not None:
             if self._current(lk, num_tokens, block_hashes) and (
                     not lk.held or self.store_view.untrusted(lk, _clock()) is None):
                 return lk
             self._drop(lk)
-        return self._submit(req_id, num_tokens, block_hashes, trace_headers, _clock(), admission=admission)
+        lk = self._submit(req_id, num_tokens, block_hashes, trace_headers, _clock(), admission=admission)
+        if admission and self._admission_frames_left and self._unsent:
+            self._admission_frames_left -= 1
+            self._flush(admission=True)
+        return lk
 
     def end_step(self) -> None:
         """The scheduling step is over: hand over what is still unsent, refresh the next step's wait budget."""
@@ -214,6 +220,7 @@ class LookupClient(Reporting):
             self._flush()
         self._stepped = True
         self._sent_this_step = self._drained_this_step = False
+        self._admission_frames_left = self._admission_frames
         budget = self.budget
         budget.new_step(_clock())
         if self.log is not None and (interval := budget.last_interval_s) is not None:
@@ -230,11 +237,8 @@ class LookupClient(Reporting):
             self._drop(lk)
 
     def reset(self) -> bool:
-        """Invalidate every answer held or in flight, then ask the server to wipe the store (fenced behind them).
-
-        Waits for the server's acknowledgement up to ``lookup_reset_timeout_s``, as upstream's client waits
-        for its server (which first drains in-flight puts).
-        """
+        """Invalidate every answer held or in flight, then ask the server to wipe the store (fenced behind them);
+        waits for its acknowledgement up to ``lookup_reset_timeout_s``, as upstream's client waits for its server."""
         self.generation += 1
         for lk in list(self._lookups.values()):
             self._drop(lk)
@@ -291,20 +295,20 @@ class LookupClient(Reporting):
         return self._settle(lk)
 
     def _tick(self, non_block: bool) -> None:
-        """This step's take-in and hand-over, if not done yet: the first call of a step takes in every answer
-        that has arrived, then hands over every lookup started since the last hand-over."""
+        """The step's take-in (every answer that came), then hand-over (every lookup since the last), if due."""
         if not (self._stepped and self._drained_this_step) or self._news:  # news: answers handed back since
             self._drained_this_step = True
             self.transport.collect()
         if self._unsent and not (self._stepped and non_block and self._sent_this_step):
             self._flush(urgent=not non_block)
 
-    def _flush(self, *, urgent: bool = False, now: float | None = None) -> None:
+    def _flush(self, *, urgent: bool = False, now: float | None = None, admission: bool = False) -> None:
         """Hand every unsent lookup to the transport, in one frame where the protocol allows."""
         lookups, self._unsent = self._unsent, []
         if not lookups:
             return
-        self._sent_this_step = True
+        if not admission:  # a send at admission is not the step's hand-over
+            self._sent_this_step = True
         now = _clock() if now is None else now
         view = self.store_view
         for lk in lookups:
@@ -350,8 +354,7 @@ class LookupClient(Reporting):
             lk.error = (f"the server claimed {lk.hit_length} cached tokens of a {lk.num_tokens}-token prompt; "
                         f"the last token must be computed")
             lk.outcome, lk.hit_length, lk.tail_key_boundaries = ERROR, 0, ()
-        lk.t_consume = now
-        outcome = lk.outcome
+        lk.t_consume, outcome = now, lk.outcome
         if not (lk.local or lk.refused) and lk.t_start is not None:  # refusals teach nothing: busy is no wipe
             self.breaker.record(not (failed := outcome is ERROR or outcome is TIMEOUT))
             lk.valid_until = lk.valid_until or self.store_view.valid_until(lk)
@@ -369,8 +372,7 @@ class LookupClient(Reporting):
         if not (outcome is HIT or outcome is MISS):  # failed or refused: not held, the next call asks again
             del self._lookups[lk.req_id]
             return lk
-        lk.held = True
-        held = self._held
+        lk.held, held = True, self._held
         held[lk.req_id] = None
         while len(held) > self.config.lookup_max_held:  # the oldest go first
             if (gone := self._lookups.pop(old := next(iter(held)), None)) is not None:
@@ -379,8 +381,7 @@ class LookupClient(Reporting):
         return lk
 
     def _drop(self, lk: Lookup) -> None:
-        req_id = lk.req_id
-        if self._lookups.get(req_id) is lk:
+        if self._lookups.get(req_id := lk.req_id) is lk:
             del self._lookups[req_id]
         if lk.held or lk.t_consume is not None:  # answered (held, or failed and not held): counted already
             self._held.pop(req_id, None)
@@ -390,8 +391,7 @@ class LookupClient(Reporting):
             self.breaker.record(not lk.failed)
         elif lk.probe:
             self.breaker.probe_abandoned()
-        lk.outcome = Outcome.DISCARDED
-        lk.t_consume = _clock()
+        lk.outcome, lk.t_consume = Outcome.DISCARDED, _clock()
         self._open -= 1
         self._ended(lk)
         if self._ev is not None:

@@ -4,8 +4,9 @@ Upstream's logic (load specs, store jobs, block pinning) is inherited unchanged;
 how a lookup is started, waited for, timed and forgotten:
 
 * a lookup starts when the request arrives (``on_new_request``) if ``lookup_on_admission``; the lookups of
-  a step leave together at the step's first call for a pending lookup (answers that came are served first),
-  and :meth:`build_connector_meta` (once per step) tells the client the step is over (it sends what is left
+  a step leave together at the step's first call for a pending lookup (answers that came are served first;
+  with the socket on this thread, a step's first few admissions leave at once), and
+  :meth:`build_connector_meta` (once per step) tells the client the step is over (it sends what is left
   and sets the next step's wait budget);
 * the connector binds vLLM's per-request and per-step calls straight to this class's methods (one call less
   each, every one of them cold after the model step);

@@ -412,3 +412,52 @@ def test_an_answered_lookup_is_served_before_the_steps_hand_over(
                                  non_block=True).hit_length == expected[1]
         finally:
             client.close()
+
+
+def test_a_lookup_admitted_with_the_socket_on_the_schedulers_thread_leaves_at_once(
+        filler: PrefixIndex, index: PrefixIndex) -> None:
+    """With the socket on the scheduler's thread (a blocking lookup, or a wait budget), a lookup started at admission
+    is sent at once, so its round trip runs during the engine's input handling and the running requests' part of
+    schedule(), not after them. Failed before: it waited for the step's first call. The step's first
+    ADMISSION_FRAMES arrivals leave this way; later ones leave together, at the step's hand-over."""
+    from mooncake_lookout.connector.client import ADMISSION_FRAMES
+
+    n = ADMISSION_FRAMES + 3
+    reqs, expected = _fill(filler, n)
+    config = LookupConfig(lookup_async=True, lookup_wait_us="auto", lookup_transport="pipelined",
+                          lookup_timeout_ms=5000)
+    with LookupServer(index) as server:
+        client = LookupClient(config, make_transport(config, server.address))
+        try:
+            assert not client.transport.hands_back  # a wait budget: the socket on the caller's thread
+            client.end_step()
+            started = [client.start(r.req_id, r.num_tokens, r.block_hashes, admission=True) for r in reqs]
+            assert all(lk is not None for lk in started)
+            early, later = started[:ADMISSION_FRAMES], started[ADMISSION_FRAMES:]
+            assert all(lk.t_start is not None for lk in early), "an admitted lookup waited for the step's first call"
+            assert all(lk.t_queued is None for lk in later), "past the step's admission frames a lookup left alone"
+            assert client.transport.in_flight == ADMISSION_FRAMES
+            client.end_step()  # the step's hand-over: the later ones leave together, in one frame
+            assert all(lk.t_start is not None for lk in later)
+            assert len({lk.t_queued for lk in later}) == 1
+            for r, hit in zip(reqs, expected):
+                answer = client.lookup(r.req_id, r.num_tokens, r.block_hashes)
+                assert answer is not None and answer.hit_length == hit
+        finally:
+            client.close()
+
+
+def test_a_lookup_admitted_with_the_socket_on_its_own_thread_waits_for_the_steps_hand_over(
+        filler: PrefixIndex, index: PrefixIndex) -> None:
+    """Async lookups that never wait keep one hand-over a step (the I/O thread would send only once the scheduler
+    lets go of the GIL anyway): admission sends nothing."""
+    reqs, _ = _fill(filler, 2)
+    config = LookupConfig(lookup_async=True, lookup_transport="pipelined", lookup_timeout_ms=5000)
+    with LookupServer(index) as server:
+        client = LookupClient(config, make_transport(config, server.address))
+        try:
+            assert client.transport.hands_back
+            started = [client.start(r.req_id, r.num_tokens, r.block_hashes, admission=True) for r in reqs]
+            assert all(lk is not None and lk.t_queued is None for lk in started)
+        finally:
+            client.close()

@@ -255,12 +255,13 @@ def run_mode(rig: Rig, workload: Prompts, m: Mode, *, arrivals_per_step: int = A
         t0 = time.perf_counter()
         while run.steps < budget and time.perf_counter() - t0 < limit and not should_stop():
             arriving = arrivals_per_step if run.steps % arrival_every == 0 else 0
-            batch = [workload.request(k) for k in range(next_req, next_req + arriving)]
+            # Built (and hashed) before any is added: vLLM's engine builds a Request on its input thread.
+            batch = [driver.make_request(*workload.request(k)) for k in range(next_req, next_req + arriving)]
             next_req += arriving
-            for req_id, prompt in batch:
-                driver.add(driver.make_request(req_id, prompt))
-                arrived[req_id] = time.perf_counter()
-                prompt_len[req_id] = len(prompt)
+            for request in batch:
+                driver.add(request)
+                arrived[request.request_id] = time.perf_counter()
+                prompt_len[request.request_id] = request.num_prompt_tokens
             _step(driver, probe, run)
             if on_step is not None:
                 on_step(run)

@@ -1,0 +1,46 @@
+"""The bench's scheduler loop (``sched.run_mode``) drives vLLM's real V1 scheduler the way vLLM's engine does.
+
+vLLM builds (and hashes) a request on its input thread (``EngineCoreProc.preprocess_add_request``), then the
+engine core adds the queued requests one after another, just before ``schedule()``. The bench must add a step's
+arrivals back to back too: hashing between the adds put about 180 us between a step's first arrival and its last,
+time a lookup sent at admission does not have in vLLM. Real parts: vLLM's scheduler, our connector, a real
+lookup server over the real store.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mooncake_lookout.connector.bench import sched
+from mooncake_lookout.connector.server import LookupServer
+from mooncake_lookout.connector.server.prefix_index import PrefixIndex
+from mooncake_lookout.connector.transport.names import PIPELINED
+
+
+class _Rig:
+    """What ``run_mode`` needs of a rig: the prefix index to fill, and the scheduler's wiring to a server."""
+
+    def __init__(self, index: PrefixIndex, address: str) -> None:
+        self.index, self.address = index, address
+
+    def scheduler_extra(self, ours: bool, transport: str = PIPELINED, **config: Any) -> dict[str, Any]:
+        return {"load_async": False, "lookup_transport": transport, "lookup_server_address": self.address, **config}
+
+
+def test_a_steps_arrivals_are_built_first_then_added_back_to_back(prefix_index: PrefixIndex) -> None:
+    calls: list[str] = []
+
+    def watch(driver: Any) -> None:
+        make, add = driver.make_request, driver.add
+        driver.make_request = lambda *a, **k: (calls.append("make"), make(*a, **k))[1]
+        driver.add = lambda request: (calls.append("add"), add(request))[1]
+
+    with LookupServer(prefix_index) as server:
+        run = sched.run_mode(_Rig(prefix_index, server.address), sched.Workload(),
+                             sched.mode("ours async", True, lookup_async=True, lookup_timeout_ms=5000), steps=3,
+                             drain_s=5.0, prepare=watch)
+    n = sched.ARRIVALS_PER_STEP
+    steps = calls[-2 * n * 3:]  # before them, filling the store builds requests of its own (for their hashes)
+    assert calls.count("add") == 3 * n
+    assert steps == (["make"] * n + ["add"] * n) * 3, f"a step's arrivals were not added back to back: {steps}"
+    assert run.requests == 3 * n and run.finished == 3 * n
