@@ -151,6 +151,21 @@ def test_the_auto_calls_are_set_beside_the_step_round_trip_floor() -> None:
     assert "| step round-trip floor |" in doc_tables.render_scenarios(runs_of(run))
 
 
+def test_the_telemetry_table_shows_how_far_each_variants_processes_spread() -> None:
+    """(d) judges 5% between variants measured in separate processes: its table also shows how far one variant's
+    processes moved apart in the same run, so a reader sees whether the run resolves 5% (failed before: no such
+    column, and a run whose processes spread 40% read as a telemetry cost)."""
+    run = first_run()
+    processes = run["d"]["processes"]
+    for p, mean in zip((p for p in processes if p["variant"] == "off"), (500.0, 700.0, 550.0, 600.0, 650.0, 520.0)):
+        p["schedule_us"]["mean"] = mean
+    section = doc_tables.render_scenarios(runs_of(run)).split("**(d)", 1)[1].split("**(e)", 1)[0]
+    header = next(line for line in section.splitlines() if line.startswith("| telemetry "))
+    row = next(line for line in section.splitlines() if line.startswith("| off |"))
+    column = [c.strip() for c in header.split("|")].index("spread of its processes' means (%)")
+    assert [c.strip() for c in row.split("|")][column] == "40.0"
+
+
 def test_several_runs_render_one_column_or_figure_each_beside_their_load() -> None:
     one = first_run()
     two = copy.deepcopy(one)
