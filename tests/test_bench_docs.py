@@ -55,6 +55,15 @@ def first_run() -> dict:
     return json.loads((ROOT / RUNS_DIR / "run-1.json").read_text())
 
 
+def cell(text: str, header_start: str, row_start: str, column: str) -> str:
+    """The cell of ``column`` in the first table row of ``text`` that starts with ``row_start``, the columns named
+    by the first line that starts with ``header_start``."""
+    lines = text.splitlines()
+    header = next(line for line in lines if line.startswith(header_start))
+    row = next(line for line in lines if line.startswith(row_start))
+    return [c.strip() for c in row.split("|")][[c.strip() for c in header.split("|")].index(column)]
+
+
 def test_the_committed_docs_are_the_committed_runs(checkout: Path) -> None:
     assert BENCH_BLOCKS, "no generated block draws on the committed runs"
     assert stale_blocks(checkout) == []
@@ -131,11 +140,9 @@ def test_the_prompt_length_table_shows_each_clients_whole_engine_step() -> None:
     run = first_run()
     mode = run["f"]["lengths"][0]["modes"]["ours async"]
     mode["seconds"], mode["steps"] = 6.5, 2000
-    table = doc_tables.render_scenarios(runs_of(run)).split("(f) prompt length", 1)[1].splitlines()
-    header = next(line for line in table if line.startswith("| blocks "))
-    row = next(line for line in table if line.startswith(f"| {run['f']['lengths'][0]['blocks']} | ours async |"))
-    column = [c.strip() for c in header.split("|")].index("engine step mean (ms)")
-    assert [c.strip() for c in row.split("|")][column] == "3.25"
+    table = doc_tables.render_scenarios(runs_of(run)).split("(f) prompt length", 1)[1]
+    row = f"| {run['f']['lengths'][0]['blocks']} | ours async |"
+    assert cell(table, "| blocks ", row, "engine step mean (ms)") == "3.25"
 
 
 def test_the_auto_calls_are_set_beside_the_step_round_trip_floor() -> None:
@@ -160,10 +167,7 @@ def test_the_telemetry_table_shows_how_far_each_variants_processes_spread() -> N
     for p, mean in zip((p for p in processes if p["variant"] == "off"), (500.0, 700.0, 550.0, 600.0, 650.0, 520.0)):
         p["schedule_us"]["mean"] = mean
     section = doc_tables.render_scenarios(runs_of(run)).split("**(d)", 1)[1].split("**(e)", 1)[0]
-    header = next(line for line in section.splitlines() if line.startswith("| telemetry "))
-    row = next(line for line in section.splitlines() if line.startswith("| off |"))
-    column = [c.strip() for c in header.split("|")].index("spread of its processes' means (%)")
-    assert [c.strip() for c in row.split("|")][column] == "40.0"
+    assert cell(section, "| telemetry ", "| off |", "spread of its processes' means (%)") == "40.0"
 
 
 def test_several_runs_render_one_column_or_figure_each_beside_their_load() -> None:
