@@ -52,6 +52,7 @@ def test_quick_bench_writes_json_table_and_plots(quick_bench: tuple[Path, dict[s
     floors = results["floors"]
     assert floors["round_trip_us"]["n"] == 100 and floors["touch_us"]["n"] > 0 and floors["split_us"]["n"] > 0
     assert floors["step_round_trip_us"]["n"] > 0  # (c)'s step: its arrivals' keys in one store call
+    assert floors["socket_round_trip_us"]["n"] == 100  # the same requests over a Unix socket, in the same turns
     # No timing relation between the floors here: on a machine this test shares with others, the caller's side
     # alone (touch) once measured slower than a whole round trip (96 vs 66 us p50). The bench reports them.
     a4 = results["a4"]["clients"]

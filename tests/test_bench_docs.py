@@ -158,6 +158,19 @@ def test_the_auto_calls_are_set_beside_the_step_round_trip_floor() -> None:
     assert "| step round-trip floor |" in doc_tables.render_scenarios(runs_of(run))
 
 
+def test_the_kernel_socket_floor_is_shown_beside_the_zmq_one_when_a_run_measured_it() -> None:
+    """The round-trip floor is a ZMQ round trip: a run that also measured the same over a Unix socket shows it
+    beside it, in (a)'s table and the tuning figures, so a reader sees what ZMQ adds (failed before: no such rows);
+    runs from before it show no empty row."""
+    run = first_run()
+    assert "kernel-socket" not in doc_tables.render_scenarios(runs_of(copy.deepcopy(run)))
+    run["floors"]["socket_round_trip_us"] = {**run["floors"]["round_trip_us"], "p50": 21.5, "p99": 48.0}
+    section = doc_tables.render_scenarios(runs_of(run)).split("**(a) one lookup call", 1)[1].split("**(a4)", 1)[0]
+    assert cell(section, "| client ", "| kernel-socket round-trip floor |", "sync p50") == "21.5"
+    figures = doc_tables.render_tuning_figures(runs_of(run))
+    assert "| kernel-socket floor (the same over a Unix socket, no ZMQ), p50 | floors | 21.5 us |" in figures
+
+
 def test_the_telemetry_table_shows_how_far_each_variants_processes_spread() -> None:
     """(d) judges 5% between variants measured in separate processes: its table also shows how far one variant's
     processes moved apart in the same run, so a reader sees whether the run resolves 5% (failed before: no such

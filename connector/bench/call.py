@@ -9,10 +9,10 @@ and spans sampled as the Helm chart samples them); upstream's has no telemetry. 
 and ours with no telemetry, are rows of their own, each measured in a process of its own (:mod:`.solo`), so no
 other client's telemetry thread runs while they are timed.
 
-The floors (:mod:`.floors`) are measured in the same rotation: the round-trip floors (one lookup; and one
-step of scenario (c): its arrivals' keys in one store call, after its model step's pause) beside the blocking
-calls, the touch and split floors beside the async ones. Every client and floor takes its turn on a small
-block of requests, in a rotating order, so drift on a shared machine hits all alike.
+The floors (:mod:`.floors`) are measured in the same rotation: the round-trip floors (one lookup, over ZMQ and
+over a kernel socket, in one turn; and one step of scenario (c): its arrivals' keys in one store call, after its
+model step's pause) beside the blocking calls, the touch and split floors beside the async ones. Every client and
+floor takes its turn on a small block of requests, in a rotating order, so drift on a shared machine hits all alike.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ CLIENTS = ("upstream", "ours/upstream-wire", "ours/pipelined")
 OTHER_SOCKET_OF = "ours/pipelined"
 OTHER_SOCKET = "the other socket"  # blocking on the I/O thread's socket, async on the caller's: a diagnosis
 ROUND_TRIP_FLOOR = "round-trip floor"
+SOCKET_FLOOR = "kernel-socket floor"  # measured in the round-trip floor's turn, on the same requests
 TOUCH_FLOOR = "touch floor"
 SPLIT_FLOOR = "split floor"
 STEP_FLOOR = "step round-trip floor"
@@ -141,20 +142,24 @@ def run(rig: ClientMaker, requests: Sequence[WorkloadRequest], floor: FloorServe
     first: dict[str, list[float]] = {name: [] for name in clients}
     total: dict[str, list[float]] = {name: [] for name in clients}
     polls: dict[str, list[int]] = {name: [] for name in clients}
-    floors: dict[str, list[float]] = {ROUND_TRIP_FLOOR: [], STEP_FLOOR: [], TOUCH_FLOOR: [], SPLIT_FLOOR: []}
+    floors: dict[str, list[float]] = {ROUND_TRIP_FLOOR: [], SOCKET_FLOOR: [], STEP_FLOOR: [], TOUCH_FLOOR: [],
+                                      SPLIT_FLOOR: []}
     try:
         for name, (client, _) in clients.items():
             time_sync(client, requests[:20], f"warm-{name}")
         if floor is not None:
             floor.round_trips(frames[:20])
+            floor.socket_round_trips(frames[:20])
         rotation = [*clients, *([ROUND_TRIP_FLOOR, STEP_FLOOR] if floor is not None else [])]
         for i, chunk in enumerate(blocks(requests, block)):
             part = frames[i * block:i * block + len(chunk)]
             for k in range(len(rotation)):
                 name = rotation[(i + k) % len(rotation)]
-                if name == ROUND_TRIP_FLOOR:
+                if name == ROUND_TRIP_FLOOR:  # and the kernel-socket floor beside it, each first every other block
                     assert floor is not None
-                    floors[name] += floor.round_trips(part)
+                    for which in ((ROUND_TRIP_FLOOR, SOCKET_FLOOR) if i % 2 == 0 else (SOCKET_FLOOR, ROUND_TRIP_FLOOR)):
+                        floors[which] += (floor.round_trips if which == ROUND_TRIP_FLOOR
+                                          else floor.socket_round_trips)(part)
                 elif name == STEP_FLOOR:
                     assert floor is not None
                     floors[name] += floor.round_trips(step_frames(part), pause_s=MODEL_STEP_S)
@@ -183,6 +188,7 @@ def run(rig: ClientMaker, requests: Sequence[WorkloadRequest], floor: FloorServe
         out["raw"][name] = {"sync": sync[name], "async_first": first[name]}
     if floor is not None:
         out["floors"] = {"round_trip_us": summary_us(floors[ROUND_TRIP_FLOOR]),
+                         "socket_round_trip_us": summary_us(floors[SOCKET_FLOOR]),
                          "step_round_trip_us": summary_us(floors[STEP_FLOOR]),
                          "touch_us": summary_us(floors[TOUCH_FLOOR]), "split_us": summary_us(floors[SPLIT_FLOOR])}
         out["raw"][ROUND_TRIP_FLOOR] = {"sync": floors[ROUND_TRIP_FLOOR]}
@@ -190,5 +196,5 @@ def run(rig: ClientMaker, requests: Sequence[WorkloadRequest], floor: FloorServe
     return out
 
 
-__all__ = ["CLIENTS", "OTHER_SOCKET", "OTHER_SOCKET_OF", "ROUND_TRIP_FLOOR", "SPLIT_FLOOR", "STEP_FLOOR", "TOUCH_FLOOR",
-           "blocks", "make_client", "run", "step_frames", "time_async", "time_sync"]
+__all__ = ["CLIENTS", "OTHER_SOCKET", "OTHER_SOCKET_OF", "ROUND_TRIP_FLOOR", "SOCKET_FLOOR", "SPLIT_FLOOR",
+           "STEP_FLOOR", "TOUCH_FLOOR", "blocks", "make_client", "run", "step_frames", "time_async", "time_sync"]

@@ -277,10 +277,13 @@ def render_tuning_figures(runs: Sequence[Run]) -> str:
          across(runs, _a("ours/pipelined", "sync_call_us", "p99"), unit="us")],
         ["the same with no telemetry (a process of its own), p50", "a",
          across(runs, _a("ours/pipelined, no telemetry", "sync_call_us"), unit="us")],
-        ["round-trip floor (bare socket + one store call), p50", "floors",
+        ["round-trip floor (a bare ZMQ socket + one store call), p50", "floors",
          across(runs, lambda r: get(r, "floors", "round_trip_us", "p50"), unit="us")],
-        ["round-trip floor (bare socket + one store call), p99", "floors",
+        ["round-trip floor (a bare ZMQ socket + one store call), p99", "floors",
          across(runs, lambda r: get(r, "floors", "round_trip_us", "p99"), unit="us")],
+        *([["kernel-socket floor (the same over a Unix socket, no ZMQ), p50", "floors",
+            across(runs, lambda r: get(r, "floors", "socket_round_trip_us", "p50"), unit="us")]]
+          if any(get(r.results, "floors", "socket_round_trip_us") for r in runs) else []),
         ["sent -> answer collected, `auto` mode, p50", "c",
          across(runs, lambda r: get(mode(r, AUTO), "sent_to_collected_us", "p50"), unit="us")],
         ["sent -> answer collected, `auto` mode, p90", "c",
@@ -355,8 +358,9 @@ def _scenario_a(runs: Sequence[Run]) -> list[str]:
             for c in clients]
     rows += [[f"{name} floor", across(runs, lambda r, k=key: get(r, "floors", k, "p50")),
               across(runs, lambda r, k=key: get(r, "floors", k, "p99")), "", ""]
-             for name, key in (("round-trip", "round_trip_us"), ("step round-trip", "step_round_trip_us"),
-                               ("touch", "touch_us"), ("split", "split_us"))]
+             for name, key in (("round-trip", "round_trip_us"), ("kernel-socket round-trip", "socket_round_trip_us"),
+                               ("step round-trip", "step_round_trip_us"), ("touch", "touch_us"), ("split", "split_us"))
+             if any(get(r.results, "floors", key) for r in runs)]
     return ["**(a) one lookup call on the scheduler's thread, us** (ours with production telemetry unless named; the "
             "named rows each in a process of its own; the floors are reported, not targeted)", "",
             *_table(["client", "sync p50", "sync p99", "async first call p50", "async per lookup p50"], rows)]

@@ -16,12 +16,17 @@ measured in the same run as the clients they judge:
 * **split floor**: a send in one step and one ``recv`` of the reply in the next, timed and added up: the
   least an async lookup costs a caller whose answer comes a step after its send (two wake-ups of the
   socket, where the touch floor has one).
+* **kernel-socket floor**: the round-trip floor's request and store call over a Unix ``SOCK_SEQPACKET`` socket
+  instead of ZMQ, asked beside it: what the machine's own sockets cost, without ZMQ's I/O threads (each a
+  wake-up of its own, on each side). The difference between the two is what the transport, not the store or
+  any lookup code, adds to every round trip.
 
 The keys travel ready-made (newline-joined) so the handler does nothing but the store call: the floor
 holds no key layout of its own, and serves the bench's index and a vLLM deployment's keys alike.
 
 The child is this module run as a script (:func:`child_main`): it opens a lookup-only store client
-(it cannot write), binds its ROUTER, prints ``floor listening on ADDRESS`` and serves until SIGTERM.
+(it cannot write), binds its ROUTER (and, with ``--socket``, a ``SOCK_SEQPACKET`` listener served on a thread),
+prints ``floor listening on ADDRESS`` and serves until SIGTERM.
 :class:`FloorServer` starts it (:class:`~mooncake_lookout.connector.rigs.processes.ChildProcess`),
 waits for that line and stops it by pid.
 """
@@ -32,11 +37,13 @@ import argparse
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import zmq
 
@@ -44,6 +51,7 @@ from mooncake_lookout.connector.rigs.processes import ChildProcess
 
 CHILD_MODULE = "mooncake_lookout.connector.bench.floors"
 READY_PREFIX = "floor listening on "
+MAX_REQUEST_BYTES = 1 << 22  # a floor request's keys, newline-joined (the bench's prompts need far less)
 
 
 def key_frame(keys: Sequence[str]) -> bytes:
@@ -73,13 +81,15 @@ class FloorServer:
         self._child: ChildProcess | None = None
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
+        self._seq: socket.socket | None = None  # the kernel-socket floor's connection
 
     def start(self) -> FloorServer:
         """Spawn the child, wait for its ready line, connect the DEALER; on failure stop what started."""
         try:
             self._dir = tempfile.mkdtemp(prefix="lookout-floor-")  # mode 0700
+            seq_path = os.path.join(self._dir, "floor.seq")
             argv = [sys.executable, "-m", CHILD_MODULE, "--master", self.master,
-                    "--address", "ipc://" + os.path.join(self._dir, "floor.sock")]
+                    "--address", "ipc://" + os.path.join(self._dir, "floor.sock"), "--socket", seq_path]
             if self.rpc_timeout_ms is not None:
                 argv += ["--rpc-timeout-ms", str(self.rpc_timeout_ms)]
             env = dict(os.environ, MC_LOG_LEVEL=os.environ.get("MC_LOG_LEVEL", "ERROR"), PYTHONUNBUFFERED="1")
@@ -91,6 +101,8 @@ class FloorServer:
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(self.address)
             self._sock = sock
+            seq = self._seq = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            seq.connect(seq_path)
         except BaseException:
             self.close()
             raise
@@ -115,6 +127,26 @@ class FloorServer:
             if not sock.poll(timeout_ms, zmq.POLLIN):
                 raise TimeoutError(f"the floor's server did not answer in {timeout_s} s")
             sock.recv()
+            out.append(time.perf_counter() - t0)
+        return out
+
+    def socket_round_trips(self, frames: Sequence[bytes], timeout_s: float = 10.0) -> list[float]:
+        """Seconds of each blocking round trip of the kernel-socket floor: the same request, store call and reply as
+        :meth:`round_trips`, over a Unix ``SOCK_SEQPACKET`` connection (no ZMQ)."""
+        seq = self._seq
+        if seq is None:
+            raise RuntimeError("the floor server is not started")
+        seq.settimeout(timeout_s)
+        out = []
+        for frame in frames:
+            t0 = time.perf_counter()
+            try:
+                seq.send(frame)
+                reply = seq.recv(64)
+            except TimeoutError:
+                raise TimeoutError(f"the floor's socket server did not answer in {timeout_s} s") from None
+            if not reply:
+                raise ConnectionError("the floor's socket server closed the connection")
             out.append(time.perf_counter() - t0)
         return out
 
@@ -179,7 +211,10 @@ class FloorServer:
         return out
 
     def close(self) -> None:
-        """Close the DEALER, stop the child by pid, remove its folder; safe to call twice."""
+        """Close the DEALER and the socket connection, stop the child by pid, remove its folder; safe to call twice."""
+        if self._seq is not None:
+            self._seq.close()
+            self._seq = None
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -211,12 +246,29 @@ def _hit_blocks(codes: Sequence[int]) -> int:
     return n
 
 
+def _serve_socket(listener: socket.socket, store: Any, stop: threading.Event) -> None:
+    """The kernel-socket floor's server: each request on a connection, one ``batch_is_exist``, the hit blocks back."""
+    listener.settimeout(0.2)
+    while not stop.is_set():
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            continue
+        conn.settimeout(None)
+        with conn:
+            while frame := conn.recv(MAX_REQUEST_BYTES):
+                keys = frame.decode().split("\n")
+                conn.send(_hit_blocks(store.batch_is_exist(keys)).to_bytes(4, "big"))
+
+
 def child_main(argv: Sequence[str] | None = None) -> int:
     """Serve floor requests until SIGTERM: one ``batch_is_exist`` per request, the hit blocks as the reply."""
     p = argparse.ArgumentParser(prog=f"python -m {CHILD_MODULE}", description="the bench's round-trip floor")
     p.add_argument("--master", required=True, metavar="HOST:PORT")
     p.add_argument("--address", required=True, help="ipc://PATH or tcp://127.0.0.1:PORT to bind")
     p.add_argument("--rpc-timeout-ms", type=int, default=None)
+    p.add_argument("--socket", default=None, metavar="PATH",
+                   help="also serve the kernel-socket floor on this Unix SOCK_SEQPACKET path")
     args = p.parse_args(argv)
     from mooncake_lookout.connector.server.store import open_store
 
@@ -228,6 +280,11 @@ def child_main(argv: Sequence[str] | None = None) -> int:
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(args.address)
+    if args.socket is not None:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind(args.socket)
+        listener.listen()
+        threading.Thread(target=_serve_socket, args=(listener, store, stop), name="socket-floor", daemon=True).start()
     print(READY_PREFIX + sock.getsockopt_string(zmq.LAST_ENDPOINT), flush=True)
     while not stop.is_set():
         if not sock.poll(200, zmq.POLLIN):

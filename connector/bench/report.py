@@ -33,13 +33,16 @@ def vs_step_floor(r: dict[str, Any], m: dict[str, Any] | None) -> float | None:
 
 
 def floors_block(r: dict[str, Any]) -> list[str]:
-    """The two floors, p50 and p99."""
+    """The floors, p50 and p99."""
     fl = r["floors"]
     lines = ["floors (no client library; measured within (a); reported, not targeted), us",
              f"  round-trip floor (DEALER -> ROUTER child, one batch_is_exist)  p50 {fmt(fl['round_trip_us']['p50'])}"
-             f"  p99 {fmt(fl['round_trip_us']['p99'])}",
-             f"  touch floor (one send + one drain of an arrived reply)       p50 {fmt(fl['touch_us']['p50'])}"
-             f"  p99 {fmt(fl['touch_us']['p99'])}"]
+             f"  p99 {fmt(fl['round_trip_us']['p99'])}"]
+    if "socket_round_trip_us" in fl:
+        lines.append(f"  kernel-socket floor (the same over a Unix socket, no ZMQ)   p50 "
+                     f"{fmt(fl['socket_round_trip_us']['p50'])}  p99 {fmt(fl['socket_round_trip_us']['p99'])}")
+    lines.append(f"  touch floor (one send + one drain of an arrived reply)       p50 {fmt(fl['touch_us']['p50'])}"
+                 f"  p99 {fmt(fl['touch_us']['p99'])}")
     if "split_us" in fl:
         lines.append(f"  split floor (a send, one step, then one recv)               p50 {fmt(fl['split_us']['p50'])}"
                      f"  p99 {fmt(fl['split_us']['p99'])}")
