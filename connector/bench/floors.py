@@ -84,7 +84,7 @@ class FloorServer:
         self._seq: socket.socket | None = None  # the kernel-socket floor's connection
 
     def start(self) -> FloorServer:
-        """Spawn the child, wait for its ready line, connect the DEALER; on failure stop what started."""
+        """Spawn the child, wait for its ready line, connect the DEALER and the socket; on failure stop what started."""
         try:
             self._dir = tempfile.mkdtemp(prefix="lookout-floor-")  # mode 0700
             seq_path = os.path.join(self._dir, "floor.seq")
