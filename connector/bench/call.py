@@ -157,9 +157,9 @@ def run(rig: ClientMaker, requests: Sequence[WorkloadRequest], floor: FloorServe
                 name = rotation[(i + k) % len(rotation)]
                 if name == ROUND_TRIP_FLOOR:  # and the kernel-socket floor beside it, each first every other block
                     assert floor is not None
-                    for which in ((ROUND_TRIP_FLOOR, SOCKET_FLOOR) if i % 2 == 0 else (SOCKET_FLOOR, ROUND_TRIP_FLOOR)):
-                        floors[which] += (floor.round_trips if which == ROUND_TRIP_FLOOR
-                                          else floor.socket_round_trips)(part)
+                    pair = ((ROUND_TRIP_FLOOR, floor.round_trips), (SOCKET_FLOOR, floor.socket_round_trips))
+                    for which, measure in pair if i % 2 == 0 else pair[::-1]:
+                        floors[which] += measure(part)
                 elif name == STEP_FLOOR:
                     assert floor is not None
                     floors[name] += floor.round_trips(step_frames(part), pause_s=MODEL_STEP_S)

@@ -267,6 +267,11 @@ def _pct(key: str) -> Figure:
     return lambda r: 100 * get(r, "d", key) if get(r, "d", key) is not None else None
 
 
+def _measured(runs: Sequence[Run], floor: str) -> bool:
+    """Some run measured ``floor`` (a floor added later is absent from older runs: no empty row for it)."""
+    return any(get(r.results, "floors", floor) for r in runs)
+
+
 def render_tuning_figures(runs: Sequence[Run]) -> str:
     """The figures behind each setting of the tuning guide, by name, from the committed runs: one statistic per row,
     so that a cell holds one figure per run and nothing else."""
@@ -283,7 +288,7 @@ def render_tuning_figures(runs: Sequence[Run]) -> str:
          across(runs, lambda r: get(r, "floors", "round_trip_us", "p99"), unit="us")],
         *([["kernel-socket floor (the same over a Unix socket, no ZMQ), p50", "floors",
             across(runs, lambda r: get(r, "floors", "socket_round_trip_us", "p50"), unit="us")]]
-          if any(get(r.results, "floors", "socket_round_trip_us") for r in runs) else []),
+          if _measured(runs, "socket_round_trip_us") else []),
         ["sent -> answer collected, `auto` mode, p50", "c",
          across(runs, lambda r: get(mode(r, AUTO), "sent_to_collected_us", "p50"), unit="us")],
         ["sent -> answer collected, `auto` mode, p90", "c",
@@ -360,7 +365,7 @@ def _scenario_a(runs: Sequence[Run]) -> list[str]:
               across(runs, lambda r, k=key: get(r, "floors", k, "p99")), "", ""]
              for name, key in (("round-trip", "round_trip_us"), ("kernel-socket round-trip", "socket_round_trip_us"),
                                ("step round-trip", "step_round_trip_us"), ("touch", "touch_us"), ("split", "split_us"))
-             if any(get(r.results, "floors", key) for r in runs)]
+             if _measured(runs, key)]
     return ["**(a) one lookup call on the scheduler's thread, us** (ours with production telemetry unless named; the "
             "named rows each in a process of its own; the floors are reported, not targeted)", "",
             *_table(["client", "sync p50", "sync p99", "async first call p50", "async per lookup p50"], rows)]

@@ -246,6 +246,11 @@ def _hit_blocks(codes: Sequence[int]) -> int:
     return n
 
 
+def _answer(store: Any, frame: bytes) -> bytes:
+    """One floor request's reply, on either socket: its keys in one ``batch_is_exist``, the hit blocks as 4 bytes."""
+    return _hit_blocks(store.batch_is_exist(bytes(frame).decode().split("\n"))).to_bytes(4, "big")
+
+
 def _serve_socket(listener: socket.socket, store: Any, stop: threading.Event) -> None:
     """The kernel-socket floor's server: each request on a connection, one ``batch_is_exist``, the hit blocks back."""
     listener.settimeout(0.2)
@@ -257,8 +262,7 @@ def _serve_socket(listener: socket.socket, store: Any, stop: threading.Event) ->
         conn.settimeout(None)
         with conn:
             while frame := conn.recv(MAX_REQUEST_BYTES):
-                keys = frame.decode().split("\n")
-                conn.send(_hit_blocks(store.batch_is_exist(keys)).to_bytes(4, "big"))
+                conn.send(_answer(store, frame))
 
 
 def child_main(argv: Sequence[str] | None = None) -> int:
@@ -290,9 +294,7 @@ def child_main(argv: Sequence[str] | None = None) -> int:
         if not sock.poll(200, zmq.POLLIN):
             continue
         envelope, frame = sock.recv_multipart()
-        keys = bytes(frame).decode().split("\n")
-        hit = _hit_blocks(store.batch_is_exist(keys))
-        sock.send_multipart([envelope, hit.to_bytes(4, "big")])
+        sock.send_multipart([envelope, _answer(store, frame)])
     sock.close(linger=0)
     ctx.term()
     os._exit(0)  # the store client's close() takes ~1 s; a child being stopped need not wait for it
