@@ -32,24 +32,21 @@ def vs_step_floor(r: dict[str, Any], m: dict[str, Any] | None) -> float | None:
     return call / floor if call is not None and floor else None
 
 
+# Each floor's line in the report, in order: its label (padded so the figures line up) and its key in ``floors``;
+# a floor a run did not measure (one added later, or not measured by that bench) has no line.
+_FLOOR_LINES = (("round-trip floor (DEALER -> ROUTER child, one batch_is_exist)  ", "round_trip_us"),
+                ("kernel-socket floor (the same over a Unix socket, no ZMQ)   ", "socket_round_trip_us"),
+                ("touch floor (one send + one drain of an arrived reply)       ", "touch_us"),
+                ("split floor (a send, one step, then one recv)               ", "split_us"),
+                ("step round-trip floor ((c)'s step: its keys, one call, cold) ", "step_round_trip_us"))
+
+
 def floors_block(r: dict[str, Any]) -> list[str]:
     """The floors, p50 and p99."""
     fl = r["floors"]
-    lines = ["floors (no client library; measured within (a); reported, not targeted), us",
-             f"  round-trip floor (DEALER -> ROUTER child, one batch_is_exist)  p50 {fmt(fl['round_trip_us']['p50'])}"
-             f"  p99 {fmt(fl['round_trip_us']['p99'])}"]
-    if "socket_round_trip_us" in fl:
-        lines.append(f"  kernel-socket floor (the same over a Unix socket, no ZMQ)   p50 "
-                     f"{fmt(fl['socket_round_trip_us']['p50'])}  p99 {fmt(fl['socket_round_trip_us']['p99'])}")
-    lines.append(f"  touch floor (one send + one drain of an arrived reply)       p50 {fmt(fl['touch_us']['p50'])}"
-                 f"  p99 {fmt(fl['touch_us']['p99'])}")
-    if "split_us" in fl:
-        lines.append(f"  split floor (a send, one step, then one recv)               p50 {fmt(fl['split_us']['p50'])}"
-                     f"  p99 {fmt(fl['split_us']['p99'])}")
-    if "step_round_trip_us" in fl:
-        lines.append(f"  step round-trip floor ((c)'s step: its keys, one call, cold) p50 "
-                     f"{fmt(fl['step_round_trip_us']['p50'])}  p99 {fmt(fl['step_round_trip_us']['p99'])}")
-    return lines
+    return ["floors (no client library; measured within (a); reported, not targeted), us",
+            *(f"  {label}p50 {fmt(fl[key]['p50'])}  p99 {fmt(fl[key]['p99'])}" for label, key in _FLOOR_LINES
+              if key in fl)]
 
 
 def a_block(r: dict[str, Any]) -> list[str]:
