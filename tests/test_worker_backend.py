@@ -88,8 +88,10 @@ def test_our_server_coalesces_clients_lookups_over_the_workers_keys(worker: Any,
                               observer=counter)
         try:
             before = worker.store.exist_calls
-            for i, hashes in enumerate(prompts):  # one step's admissions
-                client.start(f"r{i}", 6 * BLOCK + 1, hashes, admission=True)
+            # Queued, not sent at admission (a step's first admissions leave a frame each, and the server may take
+            # the first before the rest arrive): the step's hand-over sends all 40 in one frame.
+            started = [client.start(f"r{i}", 6 * BLOCK + 1, hashes) for i, hashes in enumerate(prompts)]
+            assert all(lk is not None and lk.t_queued is None for lk in started)
             hits = {}
             end = time.monotonic() + 10
             while len(hits) < len(prompts) and time.monotonic() < end:
@@ -100,6 +102,7 @@ def test_our_server_coalesces_clients_lookups_over_the_workers_keys(worker: Any,
                 client.end_step()
                 time.sleep(0.001)
             assert hits == {i: (i % 7) * BLOCK for i in range(len(prompts))}
+            assert len({lk.t_queued for lk in started}) == 1  # handed over together
             assert worker.store.exist_calls - before == 1  # 40 lookups sent in one frame: one store call
             assert client.reset()  # upstream's reset path: drain puts, remove_all
             client.discard("r3")
