@@ -24,6 +24,8 @@ from mooncake_lookout.connector.bench.fleet_workloads import MULTI_TURN, SHARED_
 from mooncake_lookout.connector.bench.floors import joined_frame, key_frame
 from mooncake_lookout.connector.bench.run import AUTO, QUICK, SCENARIOS, TARGET_IDS, format_report, selected
 from mooncake_lookout.connector.bench.sched import ARRIVALS_PER_STEP
+from mooncake_lookout.connector.rigs.cpu import CLOCK_TICKS
+from mooncake_lookout.connector.rigs.machine import cpu_stolen_s
 
 SCRIPT = Path(sys.executable).parent / "mooncake-lookout"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -83,6 +85,8 @@ def test_quick_bench_writes_json_table_and_plots(quick_bench: tuple[Path, dict[s
         assert {"id", "what", "ours", "ratio", "bound", "met"} <= set(t) and ("upstream" in t or "floor" in t)
     load = results["machine"]
     assert len(load["loadavg_at_start"]) == 3 == len(load["loadavg_at_end"])
+    stolen = results["scenario_stolen_s"]  # what the host took during each scenario, beside how long it took
+    assert stolen.keys() == results["scenario_seconds"].keys() and all(v >= 0 for v in stolen.values())
 
     table = (out / "bench.txt").read_text()
     assert table.strip() == format_report(results).strip()
@@ -178,3 +182,22 @@ def test_the_step_floor_asks_each_steps_keys_once_in_one_store_call() -> None:
     assert len(steps) == 2
     assert steps[0].split(b"\n") == [b"p0", b"own0", b"p1", b"own1", b"own2", b"own3"]
     assert joined_frame([key_frame(["a", "b"]), key_frame(["b", "c"])]) == b"a\nb\nc"
+
+
+def test_the_report_says_how_much_cpu_the_host_took_during_each_scenario(tmp_path: Path) -> None:
+    """The kernel's steal counter is read for real (a VM's vCPUs waiting for the host); the report shows each
+    scenario's share beside its time, and an older run without it still renders."""
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  262116 0 81320 2427360 1046 0 4167 18059 0 0\ncpu0 1 2 3 4 5 6 7 8 9 10\n")
+    assert cpu_stolen_s(str(stat)) == pytest.approx(18059 / CLOCK_TICKS)
+    stat.write_text("cpu  1 2 3 4\n")  # a kernel that does not count steal
+    assert cpu_stolen_s(str(stat)) is None
+    assert cpu_stolen_s(str(tmp_path / "absent")) is None
+    here = cpu_stolen_s()
+    assert here is not None and here >= 0  # Linux, as CI and these machines are
+    run = {"quick": True, "machine": {"cpus": 2, "python": "3.11", "loadavg_at_start": [0.1] * 3},
+           "targets": [], "scenario_seconds": {"a": 9.0, "c": 17.0}}
+    assert "steal" not in format_report(run)
+    run["scenario_stolen_s"] = {"a": 0.04, "c": 13.4}
+    line = next(x for x in format_report(run).splitlines() if "steal" in x)
+    assert "a 0.0" in line and "c 13.4" in line

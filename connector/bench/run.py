@@ -42,7 +42,7 @@ from mooncake_lookout.connector.bench.report import (
     targets_block,
 )
 from mooncake_lookout.connector.bench.targets import A4_K, AUTO, TARGET_IDS, targets
-from mooncake_lookout.connector.rigs.machine import machine
+from mooncake_lookout.connector.rigs.machine import cpu_stolen_s, machine
 from mooncake_lookout.connector.rigs.workload import shared_prefix_workload
 from mooncake_lookout.connector.transport.names import UPSTREAM
 
@@ -137,24 +137,30 @@ def run_bench(out_dir: str, *, quick: bool = False, only: Sequence[str] | None =
 
 
 class _Timer:
-    """Logs each scenario's start and keeps how long each took (``results["scenario_seconds"]``)."""
+    """Logs each scenario's start and keeps how long each took (``results["scenario_seconds"]``) and, where the
+    kernel says, the CPU the host took from the machine meanwhile (``results["scenario_stolen_s"]``)."""
 
     def __init__(self, results: dict[str, Any], log: Callable[[str], None]) -> None:
         self.seconds: dict[str, float] = results.setdefault("scenario_seconds", {})
+        self.stolen: dict[str, float] | None = (results.setdefault("scenario_stolen_s", {})
+                                                if cpu_stolen_s() is not None else None)
         self.log = log
         self.name: str | None = None
         self.t0 = 0.0
+        self.stolen0: float | None = None
 
     def __call__(self, name: str, message: str) -> None:
         """Scenario ``name`` starts now (the one before ends)."""
         self.stop()
-        self.name, self.t0 = name, time.perf_counter()
+        self.name, self.t0, self.stolen0 = name, time.perf_counter(), cpu_stolen_s()
         self.log(message)
 
     def stop(self) -> None:
         """The running scenario ends now."""
         if self.name is not None:
             self.seconds[self.name] = time.perf_counter() - self.t0
+            if self.stolen is not None and self.stolen0 is not None and (now := cpu_stolen_s()) is not None:
+                self.stolen[self.name] = now - self.stolen0
             self.name = None
 
 
@@ -266,6 +272,10 @@ def format_report(r: dict[str, Any]) -> str:
     if r.get("scenario_seconds"):
         lines += ["time taken, s: " + ", ".join(f"{k} {v:.0f}" for k, v in r["scenario_seconds"].items())
                   + (f"; the whole run {r['seconds']:.0f}" if "seconds" in r else ""), ""]
+    if r.get("scenario_stolen_s"):  # older runs did not record it
+        lines += ["CPU the host took from this machine meanwhile (steal, all CPUs), s: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in r["scenario_stolen_s"].items())
+                  + " (a scenario that lost much is the host's reading, not the code's)", ""]
     return "\n".join(lines + targets_block(r["targets"]))
 
 

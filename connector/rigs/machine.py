@@ -15,6 +15,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from mooncake_lookout.connector.rigs.cpu import CLOCK_TICKS
+
 VERSIONED = ("vllm", "mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine", "mooncake-lookout")
 CHECKOUT = Path(__file__).resolve().parents[2]  # the repository (an editable install imports from it)
 
@@ -30,6 +32,23 @@ def machine() -> dict[str, Any]:
 def load_average() -> list[float]:
     """The 1, 5 and 15-minute load averages."""
     return list(os.getloadavg())
+
+
+def cpu_stolen_s(stat: str = "/proc/stat") -> float | None:
+    """CPU seconds the hypervisor has given to others while this VM's vCPUs wanted to run, all vCPUs together
+    (Linux's ``steal``); None where the kernel does not say.
+
+    Why: on a shared host a scenario can lose CPU in bursts that the load average does not show; a figure
+    measured while much was stolen is the host's, not the code's.
+    """
+    try:
+        with open(stat) as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    return int(fields[8]) / CLOCK_TICKS
 
 
 def versions() -> dict[str, str]:
@@ -57,4 +76,4 @@ def commit(root: Path = CHECKOUT) -> str | None:
     return head.stdout.strip() + ("+dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
 
 
-__all__ = ["VERSIONED", "commit", "load_average", "machine", "versions"]
+__all__ = ["VERSIONED", "commit", "cpu_stolen_s", "load_average", "machine", "versions"]
