@@ -142,8 +142,7 @@ class _Timer:
 
     def __init__(self, results: dict[str, Any], log: Callable[[str], None]) -> None:
         self.seconds: dict[str, float] = results.setdefault("scenario_seconds", {})
-        self.stolen: dict[str, float] | None = (results.setdefault("scenario_stolen_s", {})
-                                                if cpu_stolen_s() is not None else None)
+        self.stolen: dict[str, float] = results.setdefault("scenario_stolen_s", {})
         self.log = log
         self.name: str | None = None
         self.t0 = 0.0
@@ -159,7 +158,7 @@ class _Timer:
         """The running scenario ends now."""
         if self.name is not None:
             self.seconds[self.name] = time.perf_counter() - self.t0
-            if self.stolen is not None and self.stolen0 is not None and (now := cpu_stolen_s()) is not None:
+            if self.stolen0 is not None and (now := cpu_stolen_s()) is not None:
                 self.stolen[self.name] = now - self.stolen0
             self.name = None
 
