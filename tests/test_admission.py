@@ -112,6 +112,28 @@ def test_what_waits_is_bounded_in_bytes_and_keys_per_peer_and_in_all() -> None:
     assert busy is not None and busy.status == p.BUSY and "256 keys of this peer" in p.decode_reply(busy.reply).reason
 
 
+def test_a_lone_message_with_nothing_waiting_comes_back_to_be_answered_at_once_and_never_jumps_the_queue() -> None:
+    """``alone`` (the loop read no message behind it): with nothing queued, fenced or held, a lookup message within
+    the bounds comes back to be answered now, without the queue's bookkeeping; else it waits its turn as ever."""
+    admission = Admission()
+    lone = admission.take_in(frame(b"A", 1, 2), alone=True)
+    assert isinstance(lone, intake.Frame) and lone.frame_id == 1 and len(lone.queries) == 2
+    assert not admission and admission.depth == 0, "handed back, not queued"
+    upstream = admission.take_in([b"B", b"", *upstream_wire.encode_lookup(33, [b"h" * 32] * 2)], alone=True)
+    assert isinstance(upstream, intake.UpstreamLookup) and not admission
+    # Something waits: a lone message is queued behind it, in arrival order.
+    assert admission.take_in(frame(b"A", 2, 1)) is None
+    assert admission.take_in(frame(b"B", 3, 1), alone=True) is None
+    assert turn(admission) == [[2, 3]] and not admission
+    # A reset waits: the fence holds the lone lookup behind it; a reset itself is never handed back.
+    assert admission.take_in([b"A", *p.encode_reset(4)], alone=True) is None
+    assert admission.take_in(frame(b"B", 5, 1), alone=True) is None
+    assert turn(admission) == [[4]] and turn(admission) == [[5]]
+    # Past a bound on its own: refused as ever.
+    refused = Admission(limits=Limits(max_peer_keys=100)).take_in(frame(b"A", 6, 1, hashes=101), alone=True)
+    assert isinstance(refused, intake.Refusal) and refused.status == p.BAD_REQUEST
+
+
 def test_a_frame_that_can_never_fit_is_refused_with_the_bound_it_passes() -> None:
     big = frame(b"A", 1, 1, hashes=4096)  # one lookup of 4096 hashes: ~131 KB
     admission = Admission(limits=Limits(max_peer_bytes=64_000))

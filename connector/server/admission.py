@@ -124,8 +124,14 @@ class Admission:
         return self.total.lookups
 
     # -- taking in ---------------------------------------------------------------------------------------------
-    def take_in(self, message: Sequence[Any]) -> intake.Refusal | None:
-        """Queue one message's work; or the reply that turns it away (malformed, busy, too big, a refused reset)."""
+    def take_in(self, message: Sequence[Any], *, alone: bool = False
+                ) -> intake.Refusal | intake.Frame | intake.UpstreamLookup | None:
+        """Queue one message's work; or the reply that turns it away (malformed, busy, too big, a refused reset).
+
+        ``alone``: the loop read no other message behind this one. If nothing waits either (nothing queued, fenced
+        or held), its lookups, within the bounds, are returned instead of queued: the turn's only batch, which the
+        loop answers at once, without the queue's bookkeeping.
+        """
         if self.curve:
             frames: Sequence[bytes] = [f.bytes for f in message]
             try:
@@ -157,6 +163,8 @@ class Admission:
         if over is not None:
             frame_id = item.frame_id if isinstance(item, intake.Frame) else None
             return self._paced(peer, self._turn_away(item.envelope, frame_id, n, over), over)
+        if alone and not self:  # nothing before it, nothing after it read: it need not wait
+            return item
         if waiting is _NOTHING:
             waiting = self._waiting[peer] = Waiting()
             self._queues[peer] = collections.deque()
