@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -31,6 +32,8 @@ from mooncake_lookout.connector.transport import make_transport
 from mooncake_lookout.connector.transport.base import Transport, TransportClosed
 from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
 from mooncake_lookout.connector.transport.pipelined_thread import ThreadedPipelinedTransport
+from mooncake_lookout.connector.transport.timer_slack import TIGHT_NS, slack_ns
+from mooncake_lookout.connector.transport.upstream import UpstreamTransport
 from mooncake_lookout.connector.wire import pipelined as p
 
 pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
@@ -362,6 +365,59 @@ def test_the_socket_lives_where_its_mode_waits(private_dir: Path, lookup_async: 
     transport = make_transport(config, f"ipc://{private_dir}/s")
     try:
         assert type(transport) is owner
+    finally:
+        transport.close()
+
+
+class _SlackAtWait(threading.Event):
+    """An event whose waits record the waiting thread's timer slack."""
+
+    def __init__(self, seen: list[int]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.seen.append(slack_ns())
+        return super().wait(timeout)
+
+
+def _recording(fn: Callable[..., Any], seen: list[int]) -> Callable[..., Any]:
+    def wrapper(*args: Any) -> Any:
+        seen.append(slack_ns())
+        return fn(*args)
+    return wrapper
+
+
+@pytest.mark.parametrize("kind", ["caller-thread", "io-thread", "upstream"])
+def test_a_bounded_wait_runs_with_a_tight_timer_slack_and_gives_the_thread_its_own_back(
+        kind: str, private_dir: Path) -> None:
+    """A wait that runs out ends on time (transport/timer_slack.py): while the caller's thread waits for an answer
+    its timer slack is TIGHT_NS, then its own is back. Linux fires a timer up to the slack late (50 us by default:
+    half of what a 300 us wait overran here). Timing is the bench's business; this checks the mechanism, in every
+    transport's wait, sub-millisecond and longer. It failed before: the slack stayed at the thread's 50 us."""
+    address = f"ipc://{private_dir}/nobody"
+    seen: list[int] = []
+    transport: Any
+    if kind == "caller-thread":
+        transport = PipelinedTransport(address, timeout_s=0.5)
+        transport._wait_readable = _recording(transport._wait_readable, seen)
+        transport._dealer.recv_within = _recording(transport._dealer.recv_within, seen)
+    elif kind == "io-thread":
+        transport = ThreadedPipelinedTransport(address, timeout_s=0.5)
+        transport._arrived = _SlackAtWait(seen)
+    else:
+        transport = UpstreamTransport(address)
+        transport._arrived = _SlackAtWait(seen)
+    own = slack_ns()
+    try:
+        assert own > TIGHT_NS, "the thread starts with its own (default) slack"
+        for wait_s in (0.0003, 0.003):
+            lk = _job(65, [bytes(32)] * 4, 0.5)
+            transport.send([lk])
+            transport.collect(wait_s, until=lk)
+            assert lk.outcome is None, "nobody answers: the wait ran out"
+        assert seen and set(seen) == {TIGHT_NS}, seen
+        assert slack_ns() == own
     finally:
         transport.close()
 

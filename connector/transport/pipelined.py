@@ -42,6 +42,7 @@ from mooncake_lookout.connector.lookup import ERROR, Lookup
 from mooncake_lookout.connector.transport.base import TransportClosed
 from mooncake_lookout.connector.transport.dealer import NOBLOCK, DealerTransport, encode_frame, plan_frames, readable
 from mooncake_lookout.connector.transport.inflight import InFlight
+from mooncake_lookout.connector.transport.timer_slack import restore, tighten
 from mooncake_lookout.connector.wire import pipelined as protocol
 
 if TYPE_CHECKING:
@@ -115,19 +116,23 @@ class PipelinedTransport(DealerTransport):
             if until.deadline is not None:
                 end = min(end, until.deadline)
             dealer = self._dealer
-            while until.outcome is None and dealer.sock is sock:
-                left = end - _clock()
-                if left <= 0:
-                    break
-                ms = int(left * 1000)  # whole milliseconds, rounded down: never past the end
-                if ms > 0:
-                    frame = dealer.recv_within(sock, ms)
-                    if frame is not None:
-                        self._take(frame, _clock())
-                elif self._wait_readable(sock, left):  # the last fraction of a millisecond
-                    self._drain(sock)
-                else:
-                    break
+            slack = tighten()  # the wait ends on time (timer_slack.py)
+            try:
+                while until.outcome is None and dealer.sock is sock:
+                    left = end - _clock()
+                    if left <= 0:
+                        break
+                    ms = int(left * 1000)  # whole milliseconds, rounded down: never past the end
+                    if ms > 0:
+                        frame = dealer.recv_within(sock, ms)
+                        if frame is not None:
+                            self._take(frame, _clock())
+                    elif self._wait_readable(sock, left):  # the last fraction of a millisecond
+                        self._drain(sock)
+                    else:
+                        break
+            finally:
+                restore(slack)
         elif self._book.lookups or self._book.resets:
             self._drain(sock)
         self._expire(_clock())
