@@ -100,7 +100,7 @@ def ask_with_marker(marker: EpochMarker | None, lookup_many: Callable[..., Seque
     epoch (the answers are in it); a marker the store could not check (an error code) confirms nothing: epoch 0,
     so clients trust no block of the old epoch on this reply's word.
     """
-    if marker is not None and marker.key is None:
+    if marker is not None:
         marker.ensure(time.perf_counter())
     if marker is None or marker.key is None:  # no epoch kept: nothing a client knows can be trusted
         return list(lookup_many([(n, h, 0) for n, h, _, _ in queries])), 0

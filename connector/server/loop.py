@@ -82,9 +82,8 @@ class LookupServer:
         self.stats = ServerStats()
         self._observe = ServerObserverSet([self.stats, *observers])
         self._store = StoreCalls(backend, self._observe, marker=marker, max_batch_hashes=max_batch_hashes)
-        # The store's epoch (server/epoch.py): kept when the backend can hold a marker key; with
-        # ``lease_window_s``, only once the master's key lease is known to cover it (server/lease.py).
-        self._marker = self._store.marker
+        # The store's epoch (server/epoch.py, kept by the store calls): with ``lease_window_s``, trusted only once
+        # the master's key lease is known to cover it (server/lease.py).
         self._lease_window_s = lease_window_s
         self.lease_probe: LeaseProbe | None = None
         self._requested_address = address
@@ -131,13 +130,14 @@ class LookupServer:
         self._address = listener.address
         self._ctx, self._sock = listener.ctx, listener.sock
         window_s = self._lease_window_s
-        if self._marker is not None and window_s is None:
-            self._marker.trust()
-            self._marker.renew()
-        elif self._marker is not None and window_s is not None:
+        marker = self._store.marker
+        if marker is not None and window_s is None:
+            marker.trust()
+            marker.renew()
+        elif marker is not None and window_s is not None:
             store = getattr(self.backend, "store", None)
             self.lease_probe = LeaseProbe(store, cast(MarkerStore, self.backend).marker_key(""), window_s,
-                                          self._marker.trust)
+                                          marker.trust)
         self._observe.bounds(self._admission.limits.bounds())
         self._waker = Waker()
         self._thread = threading.Thread(target=self._loop, name="lookout-server", daemon=True)

@@ -42,7 +42,7 @@ from mooncake_lookout.connector.lookup import ERROR, Lookup
 from mooncake_lookout.connector.transport.base import TransportClosed
 from mooncake_lookout.connector.transport.dealer import NOBLOCK, DealerTransport, encode_frame, plan_frames, readable
 from mooncake_lookout.connector.transport.inflight import InFlight
-from mooncake_lookout.connector.transport.timer_slack import restore, tighten
+from mooncake_lookout.connector.transport.timer_slack import tight_slack
 from mooncake_lookout.connector.wire import pipelined as protocol
 
 if TYPE_CHECKING:
@@ -116,8 +116,7 @@ class PipelinedTransport(DealerTransport):
             if until.deadline is not None:
                 end = min(end, until.deadline)
             dealer = self._dealer
-            slack = tighten()  # the wait ends on time (timer_slack.py)
-            try:
+            with tight_slack():  # the wait ends on time (timer_slack.py)
                 while until.outcome is None and dealer.sock is sock:
                     left = end - _clock()
                     if left <= 0:
@@ -131,8 +130,6 @@ class PipelinedTransport(DealerTransport):
                         self._drain(sock)
                     else:
                         break
-            finally:
-                restore(slack)
         elif self._book.lookups or self._book.resets:
             self._drain(sock)
         self._expire(_clock())

@@ -37,7 +37,7 @@ from mooncake_lookout.connector.logs import RateLimit
 from mooncake_lookout.connector.lookup import ERROR, TIMEOUT, Lookup
 from mooncake_lookout.connector.transport.base import TransportClosed
 from mooncake_lookout.connector.transport.dealer import NOBLOCK, DealerTransport, encode_frame, plan_frames
-from mooncake_lookout.connector.transport.timer_slack import restore, tighten
+from mooncake_lookout.connector.transport.timer_slack import tight_slack
 from mooncake_lookout.connector.waker import Waker
 from mooncake_lookout.connector.wire import pipelined as protocol
 
@@ -108,8 +108,7 @@ class ThreadedPipelinedTransport(DealerTransport):
         end = _clock() + wait_s
         if until.deadline is not None and until.deadline < end:
             end = until.deadline
-        slack = tighten()  # the wait ends on time (timer_slack.py)
-        try:
+        with tight_slack():  # the wait ends on time (timer_slack.py)
             while until.outcome is None:
                 now = _clock()
                 if now >= end:
@@ -118,8 +117,6 @@ class ThreadedPipelinedTransport(DealerTransport):
                     return
                 self._wait(end - now)
                 self._take(inbox)
-        finally:
-            restore(slack)
 
     def _wait(self, seconds: float) -> None:
         """Sleep until the I/O thread hands something back, or ``seconds`` pass (the GIL released)."""

@@ -40,21 +40,20 @@ def slack_ns() -> int:
     return _PRCTL(_PR_GET_TIMERSLACK, 0, 0, 0, 0) if _PRCTL is not None else -1
 
 
-def tighten() -> int:
-    """Set this thread's timer slack to :data:`TIGHT_NS`; returns what :func:`restore` puts back (0: nothing)."""
-    if _PRCTL is None:
-        return 0
-    old = _PRCTL(_PR_GET_TIMERSLACK, 0, 0, 0, 0)
-    if old <= TIGHT_NS:
-        return 0
-    _PRCTL(_PR_SET_TIMERSLACK, TIGHT_NS, 0, 0, 0)
-    return old
+class tight_slack:  # lower case: used as a statement, ``with tight_slack():``, like contextlib's helpers
+    """For the ``with`` block: this thread's timer slack at :data:`TIGHT_NS`, then its own again (left alone where it
+    is already as tight, or cannot be read)."""
+
+    __slots__ = ("_own",)
+
+    def __enter__(self) -> None:
+        self._own = own = slack_ns()
+        if own > TIGHT_NS and _PRCTL is not None:
+            _PRCTL(_PR_SET_TIMERSLACK, TIGHT_NS, 0, 0, 0)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._own > TIGHT_NS and _PRCTL is not None:  # never 0: that resets the slack to the thread's default
+            _PRCTL(_PR_SET_TIMERSLACK, self._own, 0, 0, 0)
 
 
-def restore(old: int) -> None:
-    """Put back the slack :func:`tighten` replaced (never 0: that would reset it to the thread's default)."""
-    if old > 0 and _PRCTL is not None:
-        _PRCTL(_PR_SET_TIMERSLACK, old, 0, 0, 0)
-
-
-__all__ = ["TIGHT_NS", "restore", "slack_ns", "tighten"]
+__all__ = ["TIGHT_NS", "slack_ns", "tight_slack"]

@@ -25,7 +25,7 @@ import zmq
 from mooncake_lookout.connector.logs import RateLimit
 from mooncake_lookout.connector.lookup import ERROR, TIMEOUT, Lookup
 from mooncake_lookout.connector.transport.base import Transport, TransportClosed
-from mooncake_lookout.connector.transport.timer_slack import restore, tighten
+from mooncake_lookout.connector.transport.timer_slack import tight_slack
 from mooncake_lookout.connector.wire import upstream as wire
 
 logger = logging.getLogger(__name__)
@@ -95,8 +95,7 @@ class UpstreamTransport(Transport):
         if until is None or wait_s <= 0 or until.outcome is not None:
             return
         end = time.perf_counter() + wait_s
-        slack = tighten()  # the wait ends on time (timer_slack.py)
-        try:
+        with tight_slack():  # the wait ends on time (timer_slack.py)
             while until.outcome is None:
                 left = end - time.perf_counter()
                 if until.deadline is not None:
@@ -107,8 +106,6 @@ class UpstreamTransport(Transport):
                 if not answers:
                     self._arrived.wait(left)
                 self._apply(answers)
-        finally:
-            restore(slack)
 
     def _apply(self, answers: collections.deque[tuple[Any, ...]]) -> None:
         while answers:
