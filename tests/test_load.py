@@ -20,7 +20,7 @@ from mooncake_lookout.connector.client import LookupClient
 from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.events import NullObserver, Outcome, OutcomeCounter
 from mooncake_lookout.connector.rigs.scheduler_driver import SchedulerDriver, make_vllm_config
-from mooncake_lookout.connector.rigs.soak import CallBudget, FaultRig
+from mooncake_lookout.connector.rigs.soak import CallBudget, FaultRig, collector_held
 from mooncake_lookout.connector.rigs.workload import shared_prefix_workload
 from mooncake_lookout.connector.server import LookupServer
 from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
@@ -48,9 +48,10 @@ def _drive(client: LookupClient, reqs: list[Any], budget: CallBudget, bound_s: f
         for r in reqs:
             if r.req_id in answers:
                 continue
-            t0 = time.perf_counter()
-            result = client.lookup(r.req_id, r.num_tokens, r.block_hashes, non_block=True)
-            budget.record(time.perf_counter() - t0)
+            with collector_held():
+                t0 = time.perf_counter()
+                result = client.lookup(r.req_id, r.num_tokens, r.block_hashes, non_block=True)
+                budget.record(time.perf_counter() - t0)
             if result is not None:
                 answers[r.req_id] = result.hit_length
         client.end_step()
