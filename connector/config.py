@@ -110,7 +110,8 @@ class LookupConfig:
     lookup_prefix_cache_blocks: int = _key(
         131072, "block hashes the scheduler remembers as present in the store (each for at most "
                 "`lookup_answer_ttl_ms` after the lookup that found it was sent, inside the master's lease), so "
-                "a long prompt asks only for its new blocks; 0 turns the prefix cache off",
+                "a long prompt asks only for its new blocks; a found run keeps one in every 16 (and each of its last, "
+                "partial 16), so the default covers up to about two million blocks; 0 turns the prefix cache off",
         lambda v: 0 <= v <= 100_000_000, "0..100000000")
     lookup_prefix_cache_confirm_ms: float = _key(
         0.0, "0: every lookup goes to the server, which asks the store only for blocks the prefix cache does not "

@@ -17,7 +17,7 @@ import pytest
 from mooncake_lookout.connector.client import LookupClient
 from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.events import NullObserver, Outcome
-from mooncake_lookout.connector.prefix_cache import PrefixCache
+from mooncake_lookout.connector.prefix_cache import STRIDE, PrefixCache
 from mooncake_lookout.connector.rigs.workload import multi_turn_workload, unique_hashes
 from mooncake_lookout.connector.server import LookupServer
 from mooncake_lookout.connector.server.lease import LeaseTooShort, check_lease
@@ -34,24 +34,47 @@ BLOCK = 16
 
 def test_known_finds_the_longest_leased_prefix_and_prefixes_live_as_long_as_their_oldest_block() -> None:
     cache = PrefixCache(max_blocks=100)
-    hashes = unique_hashes(10, seed=1)
-    cache.add(hashes, 0, 6, until=100.0)
-    assert cache.known(hashes, 10, now=50.0) == (6, 100.0)
-    assert cache.known(hashes, 4, now=50.0) == (4, 100.0)  # never past what can count
-    assert cache.known(hashes, 10, now=100.0) == (0, 100.0)  # leases over: nothing known
-    cache.add(hashes, 6, 9, until=80.0)  # found later, but capped by the prefix before it
-    assert cache.known(hashes, 10, now=70.0) == (9, 80.0)
-    assert cache.known(hashes, 10, now=90.0)[0] == 6
+    hashes = unique_hashes(100, seed=1)
+    cache.add(hashes, 0, 40, until=100.0)
+    assert cache.known(hashes, 100, now=50.0) == (40, 100.0)  # the run's last block is kept
+    assert cache.known(hashes, 40, now=50.0) == (40, 100.0)
+    assert cache.known(hashes, 37, now=50.0) == (37, 100.0)  # never past what can count
+    assert cache.known(hashes, 100, now=100.0) == (0, 100.0)  # leases over: nothing known
+    cache.add(hashes, 40, 90, until=80.0)  # found later, but capped by the prefix before it
+    assert cache.known(hashes, 100, now=70.0) == (90, 80.0)
+    assert cache.known(hashes, 85, now=70.0) == (85, 80.0)
+    assert cache.known(hashes, 100, now=90.0)[0] == 40
     assert cache.known(unique_hashes(10, seed=2), 10, now=0.0) == (0, 0.0)
+
+
+def test_a_run_keeps_every_strideth_block_and_its_last_stride_and_is_known_to_any_of_its_blocks() -> None:
+    cache = PrefixCache(max_blocks=1000)
+    hashes = unique_hashes(4096, seed=5)
+    cache.add(hashes, 0, 4096, until=10.0)
+    assert len(cache) == 4096 // STRIDE  # the 256th kept block is the last: no partial stride
+    other = unique_hashes(200, seed=6)
+    cache.add(other, 0, 37, until=10.0)  # a run that ends between two kept blocks
+    assert len(cache) == 4096 // STRIDE + 37 // STRIDE + 37 % STRIDE  # and the 5 blocks of its last stride
+    assert cache.known(other, 37, now=0.0) == (37, 10.0)
+    assert cache.known(other[:37] + unique_hashes(20, seed=7), 57, now=0.0) == (37, 10.0)  # it grew past the run
+    assert cache.known(other, 36, now=0.0) == (36, 10.0)
+    for count in (1, 15, 16, 17, 1000, 4095):
+        assert cache.known(hashes, count, now=0.0)[0] == count // STRIDE * STRIDE
+    cache.add(other, 37, 50, until=5.0)  # found after the known ones: capped by them
+    assert cache.known(other, 200, now=0.0) == (50, 5.0)
+    assert cache.known(other, 49, now=0.0) == (49, 5.0)
 
 
 def test_the_cache_is_bounded_least_recently_used_first() -> None:
     cache = PrefixCache(max_blocks=8)
-    a, b = unique_hashes(6, seed=3), unique_hashes(6, seed=4)
-    cache.add(a, 0, 6, until=10.0)
-    cache.add(b, 0, 6, until=10.0)
+    a, b = unique_hashes(6 * STRIDE, seed=3), unique_hashes(7 * STRIDE, seed=4)
+    cache.add(a, 0, 6 * STRIDE, until=10.0)  # 6 kept blocks
+    assert cache.known(a, 2 * STRIDE, now=0.0)[0] == 2 * STRIDE  # read: now a's most recently used
+    cache.add(b, 0, 7 * STRIDE, until=10.0)  # 7 more: 5 must go
     assert len(cache) == 8
-    assert cache.known(b, 6, now=0.0)[0] == 6 and cache.known(a, 6, now=0.0)[0] == 0  # a's blocks went first
+    assert cache.known(b, 7 * STRIDE, now=0.0)[0] == 7 * STRIDE
+    assert cache.known(a, 2 * STRIDE, now=0.0)[0] == 2 * STRIDE  # the one read stayed
+    assert cache.known(a, 6 * STRIDE, now=0.0)[0] == 0  # a's others went first (a hole only shortens the answer)
 
 
 # -- against a real store -----------------------------------------------------------------------------------
@@ -192,7 +215,7 @@ def test_a_master_restart_clears_the_cache_and_serves_nothing_lost(private_maste
         filler.store_prefixes([hashes])
         req = type("R", (), {"req_id": "r", "num_tokens": 32 * BLOCK + 1, "block_hashes": tuple(hashes)})
         assert inst.ask(req).hit_length == 32 * BLOCK
-        assert len(inst.client.cache or ()) == 32
+        assert len(inst.client.cache or ()) == 32 // STRIDE  # the 32-block run's kept blocks
         private_master.kill()
         private_master.start()  # every key is gone, the marker too
         answers = []
