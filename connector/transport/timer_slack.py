@@ -6,8 +6,9 @@ wake-up itself. On these VMs a 300 us ``select`` that ran out returned 95-100 us
 lookup's deadline, and whatever the wait overruns is time vLLM's ``schedule()`` pays, in exactly the calls
 that set its p99. The slack is restored after the wait: the rest of vLLM's thread keeps its own.
 
-Linux only (``prctl(PR_SET_TIMERSLACK)``, per thread); elsewhere both calls do nothing. The calls keep the GIL
-(``ctypes.PyDLL``): they never block, and letting go of the GIL mid-call would let another thread in.
+Linux only (``prctl(PR_SET_TIMERSLACK)``, per thread); elsewhere :class:`tight_slack` does nothing. The prctl
+calls keep the GIL (``ctypes.PyDLL``): they never block, and letting go of the GIL mid-call would let another
+thread in.
 """
 
 from __future__ import annotations
