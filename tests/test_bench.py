@@ -76,6 +76,7 @@ def test_quick_bench_writes_json_table_and_plots(quick_bench: tuple[Path, dict[s
     d = results["d"]
     assert [p["variant"] for p in d["processes"]] == ["off", "deployed"]
     off, deployed = d["processes"]
+    assert off["turns"] >= 2 and deployed["turns"] >= 2  # the two took turns (bench/turns.py)
     # Off: vLLM got no stats record from our connector; deployed: it did, and spans left over OTLP/HTTP.
     assert off["stats_records"] == 0 and not off["tracing"]
     assert deployed["stats_records"] > 0 and deployed["tracing"] and d["span_posts"] > 0
@@ -91,6 +92,7 @@ def test_quick_bench_writes_json_table_and_plots(quick_bench: tuple[Path, dict[s
     table = (out / "bench.txt").read_text()
     assert table.strip() == format_report(results).strip()
     assert "targets (ratio = ours / reference" in table
+    assert "1 pairs of processes, one per variant, taking turns of 25 steps" in table  # (d)'s method
     for name in ("latency.png", "modes.png", "burst.png", "per_step.png", "long_prompts.png", "multi_turn.png",
                  "fleet.png"):
         data = (out / name).read_bytes()

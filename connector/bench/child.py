@@ -23,6 +23,8 @@ from mooncake_lookout.connector.rigs.processes import ChildProcess
 READY = "child ready"
 RESULT = "result "
 ERROR = "error "
+TURN = "turn "  # children taking turns (:mod:`.turns`): a turn ended
+GO = "go"  # ... and the parent's word that the next one starts
 
 
 def _json_default(obj: Any) -> Any:
@@ -81,6 +83,19 @@ class JsonChild:
         out: dict[str, Any] = json.loads(line[len(RESULT):])
         return out
 
+    def go(self) -> None:
+        """Start the child's next turn (:mod:`.turns`)."""
+        self._child.send(GO + "\n")
+
+    def next_turn(self, after: int, timeout_s: float) -> tuple[int, dict[str, Any] | None]:
+        """Wait for the end of the child's turn or for its result: ``(after, None)`` or ``(after, result)``, with
+        the line count to pass next time; RuntimeError on its error."""
+        n, line = self._child.find_line(lambda ln: ln.startswith((TURN, RESULT, ERROR)), timeout_s,
+                                        f"{self.name}'s turn", after=after)
+        if line.startswith(TURN):
+            return n + 1, None
+        return n + 1, self.result(n, timeout_s)
+
     def ask(self, command: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         """Send ``command`` and wait (at most ``timeout_s``) for its result."""
         return self.result(self.send(command), timeout_s)
@@ -113,4 +128,4 @@ def serve(handler: Callable[[dict[str, Any]], dict[str, Any]]) -> int:
     return 0
 
 
-__all__ = ["ERROR", "READY", "RESULT", "JsonChild", "serve"]
+__all__ = ["ERROR", "GO", "READY", "RESULT", "TURN", "JsonChild", "serve"]

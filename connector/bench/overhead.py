@@ -11,29 +11,33 @@ other is timed:
 * **off**: the same connector with no telemetry at all (switched off before the first request: no step log, no
   sampler, no spans; checked: vLLM got no stats record from it).
 
-Processes run in ABBA order (off, deployed, deployed, off, ...) and each variant's steps are pooled; the
-figure is the mean ``schedule()`` time per step, deployed over off. The parent fills the store for the run's
-prompts before the first child starts (with vLLM's own block hashes).
+Each round starts one process of each variant, and the two take turns of :data:`~.turns.TURN_STEPS` steps
+(:mod:`.turns`: ABBA order, who goes first alternating by round), so both are timed in the same spells of this
+machine's drifting speed; each variant's steps are pooled over the rounds, and the figure is the mean
+``schedule()`` time per step, deployed over off. The parent fills the store for the run's prompts before the
+first child starts (with vLLM's own block hashes).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from mooncake_lookout.connector.bench.long_prompts import Length, abba
+from mooncake_lookout.connector.bench.long_prompts import Length
 from mooncake_lookout.connector.bench.rig import summary_us
+from mooncake_lookout.connector.bench.turns import TURN_STEPS, Turns, take_turns
 
 MODULE = "mooncake_lookout.connector.bench.overhead"
 VARIANTS = ("off", "deployed")
-LENGTH = Length(64, 200, 2)  # scenario (f)'s 64-block run
+LENGTH = Length(64, 800, 2)  # scenario (f)'s 64-block run, for 4x its steps: 32 turns a process
 
 
 def run(rig: Any, *, length: Length = LENGTH, rounds: int = 2, model_step_s: float = 0.0015,
-        timeout_s: float = 600.0) -> dict[str, Any]:
-    """Scenario (d): ``rounds`` processes of each variant in ABBA order, against ``rig``'s pipelined server."""
+        turn_steps: int = TURN_STEPS, timeout_s: float = 600.0) -> dict[str, Any]:
+    """Scenario (d): ``rounds`` pairs of processes, one of each variant, taking turns against ``rig``'s server."""
     from mooncake_lookout.connector.bench.child import JsonChild
     from mooncake_lookout.connector.bench.otlp_sink import shared
     from mooncake_lookout.connector.bench.wiring import PRODUCTION, tracing_env
@@ -43,22 +47,30 @@ def run(rig: Any, *, length: Length = LENGTH, rounds: int = 2, model_step_s: flo
     length.workload().fill_store(rig, prompt_block_hashes)
     args = ["--server", rig.addresses[PIPELINED], "--rpc-port", str(rig.lookup_rpc_port)]
     command = {"blocks": length.blocks, "steps": length.steps, "arrivals_per_step": length.arrivals_per_step,
-               "model_step_s": model_step_s}
+               "model_step_s": model_step_s, "turn_steps": turn_steps}
     sink = shared()
     per_process: list[dict[str, Any]] = []
     pooled: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    for who in abba(rounds):
-        variant = VARIANTS[who]
-        env = tracing_env(PRODUCTION, sink.endpoint) if variant == "deployed" else {}
-        with JsonChild(MODULE, [*args, "--variant", variant], name=f"telemetry {variant}", env=env) as child:
-            result = child.ask(command, timeout_s)
-        pooled[variant] += result.pop("schedule_s")
-        per_process.append(result)
+    for r in range(rounds):
+        order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
+        children = [JsonChild(MODULE, [*args, "--variant", v], name=f"telemetry {v}", wait=False,
+                              env=tracing_env(PRODUCTION, sink.endpoint) if v == "deployed" else {}) for v in order]
+        try:
+            for child in children:
+                child.wait_ready()
+            results = take_turns(children, [command] * len(children), timeout_s)
+        finally:
+            for child in children:
+                child.close()
+        for result in results:
+            pooled[result["variant"]] += result.pop("schedule_s")
+            per_process.append(result)
     mean = {v: sum(pooled[v]) / len(pooled[v]) for v in VARIANTS}
     return {"blocks": length.blocks, "steps": length.steps, "arrivals_per_step": length.arrivals_per_step,
-            "rounds": rounds, "model_step_ms": model_step_s * 1e3, "processes": per_process,
-            "deployed_schedule_us": summary_us(pooled["deployed"]), "off_schedule_us": summary_us(pooled["off"]),
-            "added": mean["deployed"] / mean["off"] - 1.0, "span_posts": sink.posts}
+            "rounds": rounds, "turn_steps": turn_steps, "model_step_ms": model_step_s * 1e3,
+            "processes": per_process, "deployed_schedule_us": summary_us(pooled["deployed"]),
+            "off_schedule_us": summary_us(pooled["off"]), "added": mean["deployed"] / mean["off"] - 1.0,
+            "span_posts": sink.posts}
 
 
 class _Servers:
@@ -110,17 +122,20 @@ def _handle(servers: _Servers, variant: str, command: dict[str, Any]) -> dict[st
     from mooncake_lookout.connector.bench import sched
 
     length = Length(command["blocks"], command["steps"], command["arrivals_per_step"])
+    turns = Turns(command["turn_steps"])
     drivers: list[Any] = []
 
     def prepare(driver: Any) -> None:
         if variant == "off":
             _switch_off(driver)
         drivers.append(driver)
+        turns.begin()
 
     run = sched.run_mode(servers, _Filled(length), sched.mode("ours async", True, lookup_async=True),  # type: ignore[arg-type]
                          arrivals_per_step=length.arrivals_per_step, steps=length.steps,
                          model_step_s=command["model_step_s"], num_blocks=length.num_blocks(),
-                         max_model_len=length.max_model_len, drain_s=10.0, tally=False, prepare=prepare)
+                         max_model_len=length.max_model_len, drain_s=10.0, tally=False, prepare=prepare,
+                         pace=turns.after_step)
     driver = drivers[0]
     adapter = driver.connector.connector_scheduler
     stats_records = len(driver.kv_connector_stats)
@@ -130,7 +145,8 @@ def _handle(servers: _Servers, variant: str, command: dict[str, Any]) -> dict[st
         raise RuntimeError("telemetry as deployed: no stats record reached vLLM, or tracing did not start")
     return {"variant": variant, "schedule_s": run.schedule_seconds, "schedule_us": summary_us(run.schedule_seconds),
             "requests": run.requests, "finished": run.finished, "stats_records": stats_records,
-            "tracing": adapter.telemetry.tracer is not None}
+            "tracing": adapter.telemetry.tracer is not None, "turns": turns.turns,
+            "gc_collections": [g["collections"] for g in gc.get_stats()]}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

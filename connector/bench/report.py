@@ -111,6 +111,13 @@ def c_block(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _d_method(d: dict[str, Any]) -> str:
+    """How (d)'s processes were run: pairs taking turns (bench/turns.py), or, in older records, one after another."""
+    if "turn_steps" in d:
+        return f"pairs of processes, one per variant, taking turns of {d['turn_steps']} steps"
+    return "processes per variant, ABBA"
+
+
 def d_block(r: dict[str, Any]) -> list[str]:
     """Scenario (d): telemetry as deployed vs none, in (f)'s ``schedule()`` time, each variant in its own processes."""
     d = r["d"]
@@ -119,7 +126,7 @@ def d_block(r: dict[str, Any]) -> list[str]:
                 f"  on  p50 {fmt(d['on_us']['p50'])}  off p50 {fmt(d['off_us']['p50'])}  added by both: median "
                 f"{100 * d['median_overhead']:+.1f}%"]
     lines = [f"(d) telemetry as deployed vs none: (f) at {d['blocks']} blocks, ours async, mean schedule() per step, "
-             f"us ({d['rounds']} processes per variant, ABBA)",
+             f"us ({d['rounds']} {_d_method(d)})",
              f"  deployed  mean {fmt(d['deployed_schedule_us']['mean'])}  p50 {fmt(d['deployed_schedule_us']['p50'])}",
              f"  off       mean {fmt(d['off_schedule_us']['mean'])}  p50 {fmt(d['off_schedule_us']['p50'])}",
              f"  added by telemetry as deployed: {100 * d['added']:+.1f}% (span exports received: {d['span_posts']})"]

@@ -66,7 +66,7 @@ class Sizes:
     lengths: tuple[long_prompts.Length, ...]
     f_rounds: int  # ABBA rounds of each (f) length
     f_load: long_prompts.Length
-    d_rounds: int  # processes per telemetry variant of (d)
+    d_rounds: int  # pairs of (d)'s processes, one per telemetry variant, taking turns
     backend_rounds: int
     conversations: tuple[Shape, ...]  # scenario (g): the issue's example first, the 4,096-block context last
     vllm_layout: bool  # scenario (g) also through vLLM's key layout (a server process more: ~20 s to start)
@@ -76,7 +76,7 @@ class Sizes:
 QUICK = Sizes(100, 256, 1, 100, 20, 2.0, (BUDGET_US,), 6, long_prompts.QUICK, long_prompts.QUICK_ROUNDS,
               long_prompts.QUICK_LOAD, 1, 5, multi_turn.QUICK, False, fleet.QUICK)
 FULL = Sizes(1000, 256, 5, 600, 100, 5.0, (BUDGET_US, 500, 1000), 100, long_prompts.FULL, long_prompts.FULL_ROUNDS,
-             long_prompts.FULL_LOAD, 6, 30, multi_turn.FULL, True, fleet.FULL)
+             long_prompts.FULL_LOAD, 4, 30, multi_turn.FULL, True, fleet.FULL)
 
 
 def _modes(sizes: Sizes) -> list[Any]:

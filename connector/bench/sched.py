@@ -210,7 +210,8 @@ def run_mode(rig: Rig, workload: Prompts, m: Mode, *, arrivals_per_step: int = A
              observers: Iterable[LookupObserver] = (), on_step: Callable[[SchedRun], None] | None = None,
              should_stop: Callable[[], bool] = lambda: False, drain_s: float = 5.0, arrival_every: int = 1,
              num_blocks: int = 16_384, max_model_len: int = 2048, tally: bool = True,
-             prepare: Callable[[Any], None] | None = None) -> SchedRun:
+             prepare: Callable[[Any], None] | None = None,
+             pace: Callable[[SchedRun], None] | None = None) -> SchedRun:
     """Run vLLM's scheduler in mode ``m``: arrivals for ``steps`` steps (or ``seconds``), then drain.
 
     ``arrivals_per_step`` requests arrive before every ``arrival_every``-th step (long prompts arrive
@@ -220,7 +221,8 @@ def run_mode(rig: Rig, workload: Prompts, m: Mode, *, arrivals_per_step: int = A
     bench's own counting observer on our client (outcomes, tokens, wait budgets, the prefix cache's figures);
     without it our client carries only what vLLM's connector attaches (runs that compare ``schedule()`` time
     with upstream's, which has no such observer). ``prepare`` is given the scheduler's driver once it is built,
-    before the first request.
+    before the first request. ``pace`` is called after every step, the drain's too (children taking turns,
+    :mod:`.turns`, wait in it).
     """
     from mooncake_lookout.connector.rigs.scheduler_driver import (
         SchedulerDriver,
@@ -262,13 +264,13 @@ def run_mode(rig: Rig, workload: Prompts, m: Mode, *, arrivals_per_step: int = A
                 driver.add(request)
                 arrived[request.request_id] = time.perf_counter()
                 prompt_len[request.request_id] = request.num_prompt_tokens
-            _step(driver, probe, run)
+            _step(driver, probe, run, pace)
             if on_step is not None:
                 on_step(run)
         drain_end = time.perf_counter() + drain_s
         while driver.scheduler.get_num_unfinished_requests() and time.perf_counter() < drain_end \
                 and not should_stop():
-            _step(driver, probe, run)
+            _step(driver, probe, run, pace)
         done = set(driver.stats.finished)
         left = [r for r in arrived if r not in done]
         if left:
@@ -366,11 +368,13 @@ class TokenTally(OutcomeCounter):
         self.wait_budgets.append(wait_budget_s)
 
 
-def _step(driver: Any, probe: CallProbe, run: SchedRun) -> None:
+def _step(driver: Any, probe: CallProbe, run: SchedRun, pace: Callable[[SchedRun], None] | None = None) -> None:
     probe.step_blocked = 0.0
     driver.step()
     run.steps += 1
     run.blocked_per_step.append(probe.step_blocked)
+    if pace is not None:
+        pace(run)
 
 
 __all__ = ["ARRIVALS_PER_STEP", "CallProbe", "MODEL_STEP_S", "Mode", "Prompts", "SchedRun", "TokenTally",
