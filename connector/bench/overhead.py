@@ -14,8 +14,10 @@ other is timed:
 Each round starts one process of each variant, and the two take turns of :data:`~.turns.TURN_STEPS` steps
 (:mod:`.turns`: ABBA order, who goes first alternating by round), so both are timed in the same spells of this
 machine's drifting speed; each variant's steps are pooled over the rounds, and the figure is the mean
-``schedule()`` time per step, deployed over off. The parent fills the store for the run's prompts before the
-first child starts (with vLLM's own block hashes).
+``schedule()`` time per step, deployed over off. A turn's mean still moves 10-30% from the other's (its
+requests, the machine), so a process runs :data:`STEPS` steps (32 turns), 4x (f)'s: two pairs' ratios then
+read 0.98-1.08 where 200-step processes one after another read up to 1.20. The parent fills the store for
+the run's prompts before the first child starts (with vLLM's own block hashes).
 """
 
 from __future__ import annotations
@@ -32,12 +34,16 @@ from mooncake_lookout.connector.bench.turns import TURN_STEPS, Turns, take_turns
 
 MODULE = "mooncake_lookout.connector.bench.overhead"
 VARIANTS = ("off", "deployed")
-LENGTH = Length(64, 800, 2)  # scenario (f)'s 64-block run, for 4x its steps: 32 turns a process
+STEPS = 800  # (f)'s 64-block run has 200; 32 turns a process (see the module docstring)
+LENGTH = Length(64, STEPS, 2)  # scenario (f)'s 64-block prompts and arrivals
 
 
-def run(rig: Any, *, length: Length = LENGTH, rounds: int = 2, model_step_s: float = 0.0015,
-        turn_steps: int = TURN_STEPS, timeout_s: float = 600.0) -> dict[str, Any]:
-    """Scenario (d): ``rounds`` pairs of processes, one of each variant, taking turns against ``rig``'s server."""
+def run(rig: Any, *, length: Length = LENGTH, steps: int | None = None, rounds: int = 2,
+        model_step_s: float = 0.0015, turn_steps: int = TURN_STEPS, timeout_s: float = 600.0) -> dict[str, Any]:
+    """Scenario (d): ``rounds`` pairs of processes, one of each variant, taking turns against ``rig``'s server;
+    ``steps`` (if given) replaces ``length``'s."""
+    if steps is not None:
+        length = Length(length.blocks, steps, length.arrivals_per_step)
     from mooncake_lookout.connector.bench.child import JsonChild
     from mooncake_lookout.connector.bench.otlp_sink import shared
     from mooncake_lookout.connector.bench.wiring import PRODUCTION, tracing_env
@@ -162,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return serve(lambda command: _handle(servers, args.variant, command))
 
 
-__all__ = ["LENGTH", "MODULE", "VARIANTS", "main", "run"]
+__all__ = ["LENGTH", "MODULE", "STEPS", "VARIANTS", "main", "run"]
 
 if __name__ == "__main__":
     sys.exit(main())

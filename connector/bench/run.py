@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mooncake_lookout.connector.bench import fleet, long_prompts, multi_turn
+from mooncake_lookout.connector.bench import fleet, long_prompts, multi_turn, overhead
 from mooncake_lookout.connector.bench.conversations import Shape
 from mooncake_lookout.connector.bench.report import (
     a4_block,
@@ -67,6 +67,7 @@ class Sizes:
     f_rounds: int  # ABBA rounds of each (f) length
     f_load: long_prompts.Length
     d_rounds: int  # pairs of (d)'s processes, one per telemetry variant, taking turns
+    d_steps: int  # steps of each (d) process
     backend_rounds: int
     conversations: tuple[Shape, ...]  # scenario (g): the issue's example first, the 4,096-block context last
     vllm_layout: bool  # scenario (g) also through vLLM's key layout (a server process more: ~20 s to start)
@@ -74,9 +75,9 @@ class Sizes:
 
 
 QUICK = Sizes(100, 256, 1, 100, 20, 2.0, (BUDGET_US,), 6, long_prompts.QUICK, long_prompts.QUICK_ROUNDS,
-              long_prompts.QUICK_LOAD, 1, 5, multi_turn.QUICK, False, fleet.QUICK)
+              long_prompts.QUICK_LOAD, 1, 200, 5, multi_turn.QUICK, False, fleet.QUICK)
 FULL = Sizes(1000, 256, 5, 600, 100, 5.0, (BUDGET_US, 500, 1000), 100, long_prompts.FULL, long_prompts.FULL_ROUNDS,
-             long_prompts.FULL_LOAD, 4, 30, multi_turn.FULL, True, fleet.FULL)
+             long_prompts.FULL_LOAD, 4, overhead.STEPS, 30, multi_turn.FULL, True, fleet.FULL)
 
 
 def _modes(sizes: Sizes) -> list[Any]:
@@ -166,7 +167,7 @@ class _Timer:
 def _on_the_rig(results: dict[str, Any], sizes: Sizes, chosen: Sequence[str], t_start: float,
                 log: Callable[[str], None]) -> dict[str, Any]:
     """Scenarios (a)-(g) on one rig, in order; returns (a)'s raw latencies for the plots."""
-    from mooncake_lookout.connector.bench import burst, call, fault, overhead, per_step, sched, solo
+    from mooncake_lookout.connector.bench import burst, call, fault, per_step, sched, solo
     from mooncake_lookout.connector.bench.rig import Rig
     from mooncake_lookout.connector.rigs.scheduler_driver import freeze_startup_heap
 
@@ -221,7 +222,7 @@ def _on_the_rig(results: dict[str, Any], sizes: Sizes, chosen: Sequence[str], t_
             results["f_load"] = long_prompts.run_load(rig, sizes.f_load)
         if "d" in chosen:
             step("d", "(d) telemetry as deployed vs none, (f) at 64 blocks, each in processes of its own ...")
-            results["d"] = overhead.run(rig, rounds=sizes.d_rounds)
+            results["d"] = overhead.run(rig, rounds=sizes.d_rounds, steps=sizes.d_steps)
         if "g" in chosen:
             step("g", "(g) multi-turn conversations through vLLM's scheduler"
                 + (", also in vLLM's key layout ..." if sizes.vllm_layout else " ..."))
