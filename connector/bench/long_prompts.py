@@ -32,6 +32,7 @@ from typing import Any
 
 from mooncake_lookout.connector.bench.rig import BLOCK_SIZE, Rig
 from mooncake_lookout.connector.bench.sched import Mode, Workload, merge_runs, mode, run_mode
+from mooncake_lookout.connector.bench.turns import abba_seat
 
 MODES = (mode("upstream async", False, lookup_async=True), mode("ours async", True, lookup_async=True))
 
@@ -73,7 +74,7 @@ QUICK_LOAD = Length(64, 30, LOAD_ARRIVALS, fill=16)
 
 def abba(rounds: int) -> list[int]:
     """The order of ``rounds`` rounds of two clients: 0, 1, 1, 0, 0, 1, ... (each round, both clients)."""
-    return [(i + i // 2) % 2 for i in range(2 * rounds)]
+    return [abba_seat(i) for i in range(2 * rounds)]
 
 
 def run_length(rig: Rig, length: Length, *, rounds: int, model_step_s: float = 0.0015,

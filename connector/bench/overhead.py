@@ -23,7 +23,6 @@ the run's prompts before the first child starts (with vLLM's own block hashes).
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -38,12 +37,9 @@ STEPS = 800  # (f)'s 64-block run has 200; 32 turns a process (see the module do
 LENGTH = Length(64, STEPS, 2)  # scenario (f)'s 64-block prompts and arrivals
 
 
-def run(rig: Any, *, length: Length = LENGTH, steps: int | None = None, rounds: int = 2,
-        model_step_s: float = 0.0015, turn_steps: int = TURN_STEPS, timeout_s: float = 600.0) -> dict[str, Any]:
-    """Scenario (d): ``rounds`` pairs of processes, one of each variant, taking turns against ``rig``'s server;
-    ``steps`` (if given) replaces ``length``'s."""
-    if steps is not None:
-        length = Length(length.blocks, steps, length.arrivals_per_step)
+def run(rig: Any, *, length: Length = LENGTH, rounds: int = 2, model_step_s: float = 0.0015,
+        turn_steps: int = TURN_STEPS, timeout_s: float = 600.0) -> dict[str, Any]:
+    """Scenario (d): ``rounds`` pairs of processes, one of each variant, taking turns against ``rig``'s server."""
     from mooncake_lookout.connector.bench.child import JsonChild
     from mooncake_lookout.connector.bench.otlp_sink import shared
     from mooncake_lookout.connector.bench.wiring import PRODUCTION, tracing_env
@@ -151,8 +147,7 @@ def _handle(servers: _Servers, variant: str, command: dict[str, Any]) -> dict[st
         raise RuntimeError("telemetry as deployed: no stats record reached vLLM, or tracing did not start")
     return {"variant": variant, "schedule_s": run.schedule_seconds, "schedule_us": summary_us(run.schedule_seconds),
             "requests": run.requests, "finished": run.finished, "stats_records": stats_records,
-            "tracing": adapter.telemetry.tracer is not None, "turns": turns.turns,
-            "gc_collections": [g["collections"] for g in gc.get_stats()]}
+            "tracing": adapter.telemetry.tracer is not None, "turns": turns.turns}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

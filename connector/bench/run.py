@@ -21,7 +21,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mooncake_lookout.connector.bench import fleet, long_prompts, multi_turn, overhead
@@ -222,7 +222,8 @@ def _on_the_rig(results: dict[str, Any], sizes: Sizes, chosen: Sequence[str], t_
             results["f_load"] = long_prompts.run_load(rig, sizes.f_load)
         if "d" in chosen:
             step("d", "(d) telemetry as deployed vs none, (f) at 64 blocks, each in processes of its own ...")
-            results["d"] = overhead.run(rig, rounds=sizes.d_rounds, steps=sizes.d_steps)
+            results["d"] = overhead.run(rig, rounds=sizes.d_rounds,
+                                        length=replace(overhead.LENGTH, steps=sizes.d_steps))
         if "g" in chosen:
             step("g", "(g) multi-turn conversations through vLLM's scheduler"
                 + (", also in vLLM's key layout ..." if sizes.vllm_layout else " ..."))

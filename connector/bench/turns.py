@@ -8,9 +8,9 @@ variants in the same spells.
 
 The child's side is :class:`Turns`: after the scheduler's driver is built it says ``turn 0`` and waits; after
 every ``steps``-th step it lets its in-flight replies land (``settle_s``), says ``turn N`` and waits for the
-parent's ``go``. The parent's side is :func:`take_turns`: it starts every child's run, then hands out the turns
-in ABBA order (0, 1, 1, 0, ...; so each child follows the other as often as itself) until every run has
-answered with its result.
+parent's ``go``. The parent's side is :func:`take_turns`: it starts both children's runs, then hands out the
+turns in ABBA order (:func:`abba_seat`: each child follows the other as often as itself) until both runs have
+answered with their results.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ class Turns:
             raise RuntimeError(f"expected {GO!r} from the parent between turns, got {line!r}")
         self.turns += 1
 
-    def begin(self, driver: Any = None) -> None:
-        """Before the first step (a run's ``prepare`` hook): the first turn starts on the parent's go."""
+    def begin(self) -> None:
+        """Before the first step (from a run's ``prepare`` hook): the first turn starts on the parent's go."""
         self.wait(0)
 
     def after_step(self, run: Any) -> None:
@@ -60,9 +60,10 @@ class Turns:
 
 def take_turns(children: Sequence[JsonChild], commands: Sequence[dict[str, Any]],
                timeout_s: float) -> list[dict[str, Any]]:
-    """Send ``commands[i]`` to ``children[i]``, then hand out turns in ABBA order; each child's result."""
-    if len(children) != len(commands) or not children:
-        raise ValueError("one command per child, and at least one child")
+    """Send ``commands[i]`` to ``children[i]`` (two of each), then hand out turns in ABBA order; each child's
+    result."""
+    if len(children) != 2 or len(commands) != 2:
+        raise ValueError("two children take turns, one command each")
     deadline = time.perf_counter() + timeout_s
     seen = [child.send(command) for child, command in zip(children, commands)]
     results: list[dict[str, Any] | None] = [None] * len(children)
@@ -72,7 +73,7 @@ def take_turns(children: Sequence[JsonChild], commands: Sequence[dict[str, Any]]
             raise RuntimeError(f"{child.name} answered before its first turn")
     turn = 0
     while any(r is None for r in results):
-        i = _abba_seat(turn, len(children))
+        i = abba_seat(turn)
         turn += 1
         if results[i] is not None:
             continue
@@ -81,11 +82,10 @@ def take_turns(children: Sequence[JsonChild], commands: Sequence[dict[str, Any]]
     return [r for r in results if r is not None]
 
 
-def _abba_seat(turn: int, n: int) -> int:
-    """Whose turn ``turn`` is: ABBA for two children (0, 1, 1, 0, 0, 1, ...), round-robin for more."""
-    if n == 2:
-        return (turn + turn // 2) % 2
-    return turn % n
+def abba_seat(i: int) -> int:
+    """Which of two goes ``i``-th in ABBA order: 0, 1, 1, 0, 0, 1, ... (each follows the other as often as
+    itself, so drift between them hits both alike)."""
+    return (i + i // 2) % 2
 
 
 def _left(deadline: float) -> float:
@@ -95,4 +95,4 @@ def _left(deadline: float) -> float:
     return left
 
 
-__all__ = ["GO", "SETTLE_S", "TURN", "TURN_STEPS", "Turns", "take_turns"]
+__all__ = ["GO", "SETTLE_S", "TURN", "TURN_STEPS", "Turns", "abba_seat", "take_turns"]
