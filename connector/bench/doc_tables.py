@@ -218,8 +218,9 @@ def render_guarantees(runs: Sequence[Run]) -> str:
     if any(mode(r.results, AUTO) for r in runs):
         rows.append(["non-blocking call, `lookup_wait_us: auto`",
                      "as with N, where N is the p90 of recent waits for an answer (each from when the call began "
-                     "waiting, or the send if later) + 50 us when that fits in `lookup_wait_auto_share` of the "
-                     "step interval, else 0",
+                     "waiting, or the send if later; a wait that ran out counted at its budget) + 50 us, at most "
+                     "`lookup_wait_auto_share` of the step interval; 0 while most waits given that whole share run "
+                     "out",
                      f"{c}: budget in force mean "
                      f"{across(runs, lambda r: get(mode(r, AUTO), 'wait_budget_us', 'mean'), unit='us')}, steps "
                      f"without a wait {across(runs, _no_wait_pct, 0, '%')}; {tail(AUTO)}"])

@@ -242,8 +242,8 @@ def decide_wait(f: Figures, c: Costs, now: InForce, use_async: bool) -> Advice:
                       f"p90 {c.deferred_p90:.1f}, mean {c.deferred_mean:.2f}, {_ms(c.deferral_delay_s)} per request): "
                       f"the round trip is under the {_ms(c.step_s)} step interval (read "
                       f"here as p90 {_ms(c.rpc_p90_s)}, since an answer not waited for is read a step later); "
-                      f"auto measures it while waiting, waits about it if it fits in {_ms(cap)} and stops "
-                      "waiting if not", figures)
+                      f"auto measures it while waiting, waits about it but at most {_ms(cap)}, and stops "
+                      "waiting if most waits that long run out", figures)
     return Advice("lookup_wait_us", 0, current, f"answers take more than a step to be used (deferred steps p90 "
                   f"{c.deferred_p90 if c.deferred_p90 is not None else 'n/a'}): the round trip exceeds {too_long}",
                   figures)
