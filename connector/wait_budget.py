@@ -10,7 +10,8 @@ waiting many times over.
 budget it had (it needed at least that), so while more than one wait in ten runs out the budget climbs by the
 margin at each refresh, up to the cap: an estimate from answered waits alone never sees the answers past the
 budget, and stayed low while most waits ran out. Auto stops waiting (the budget is 0, the scheduler defers at
-once) only when most waits given the whole cap run out: the store is far, or slow right now. A p90 past the cap
+once) only when most waits given the whole cap (a step's first, at the cap) run out: the store is far, or slow
+right now. A p90 past the cap
 is no reason to stop: most answers still land within it. (Auto stopped there, and with the low estimate above,
 18-54% of the bench's scenario-c steps went without a wait and a request deferred 0.3-0.8 steps; waiting up to
 the cap deferred it 0.05-0.10 in the same runs.) A wait is
@@ -50,6 +51,7 @@ class WaitBudget:
         self._wait_next = 0
         self._p90_s: float | None = None  # unknown until an answer is measured
         self._answered = False  # a wait was answered since the history began
+        self._waited = False  # this step has waited already (a later wait has what the first left)
         self._fresh = 0
         self._probing = False  # this step waits only to probe (auto had stopped waiting)
         self._cap_s = 0.0
@@ -80,10 +82,11 @@ class WaitBudget:
         """One wait's outcome: the round trip of an answer that came while waiting, or ``None`` (ran out)."""
         if not self.auto:
             return
-        in_force = self.in_force_s
+        in_force, first = self.in_force_s, not self._waited
+        self._waited = True
         if rtt_s is None:
-            if in_force >= self._cap_s:  # it had the whole cap: evidence the store is too far for it
-                self._outcome(True)
+            if first and in_force >= self._cap_s:  # it had the whole cap: evidence the store is too far for it
+                self._outcome(True)  # (a later wait of the step had what the first left: no such evidence)
             self._sample(in_force)  # it needed more than its budget: the p90 climbs past it
             return
         self._outcome(False)
@@ -114,6 +117,7 @@ class WaitBudget:
         self._last_step = now
         self._steps += 1
         self._probing = False
+        self._waited = False
         if self.auto:
             cap = self._cap_s = self.share * self.step_interval_s
             ran_out = sum(self._ran_out) / len(self._ran_out) if self._ran_out else 0.0
