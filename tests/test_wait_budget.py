@@ -8,6 +8,7 @@ client tells it, against a real lookup server; the scheduler tests run it for re
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -25,16 +26,20 @@ pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
 STEP_S = 0.010  # a 10 ms step: auto may wait up to 2.5 ms at the default share
 
 
-def _steps(budget: WaitBudget, n: int, t0: float, rtt_s: float | None) -> tuple[float, list[float]]:
-    """``n`` steps of STEP_S; in each, one wait that is answered after ``rtt_s`` (or runs out if ``None``
-    or longer than the budget). Returns the clock and the budgets in force."""
+def _steps(budget: WaitBudget, n: int, t0: float, rtt_s: float | None | Sequence[float]
+           ) -> tuple[float, list[float]]:
+    """``n`` steps of STEP_S; in each, one wait that is answered after ``rtt_s`` (a sequence: its round trips in
+    turn, from the first step), or runs out if ``None`` or longer than the budget. Returns the clock and the
+    budgets in force."""
+    rtts = rtt_s if isinstance(rtt_s, Sequence) else [rtt_s]
     budgets = []
     t = t0
-    for _ in range(n):
+    for i in range(n):
         in_force = budget.new_step(t)
         budgets.append(in_force)
         if in_force > 0:
-            budget.observe(rtt_s if rtt_s is not None and rtt_s <= in_force else None)
+            rtt = rtts[i % len(rtts)]
+            budget.observe(rtt if rtt is not None and rtt <= in_force else None)
         t += STEP_S
     return t, budgets
 
@@ -61,19 +66,11 @@ def test_auto_stops_waiting_when_no_answer_ever_comes_within_the_cap() -> None:
 def test_auto_waits_up_to_the_cap_when_the_p90_is_past_it_but_most_answers_land_within_it() -> None:
     """Round trips spread around the cap (2.5 ms): 8 in 10 land within it, so the p90 of the answered ones plus the
     margin passes the cap. Auto must keep waiting, at the cap: it gave up instead, deferring every arrival of
-    every step but one in :data:`PROBE_EVERY` (in the bench's scenario c, 18-54% of steps went without a wait and
-    a request deferred 0.3-0.8 steps, where waiting the cap deferred it 0.05-0.10)."""
+    every step but one in :data:`PROBE_EVERY` (in the bench's scenario c, 18-54% of steps went without a wait)."""
     budget = WaitBudget(None, share=0.25)
     cap = budget.share * STEP_S
-    rtts = [0.0018, 0.0020, 0.0022, 0.0023, 0.0024, 0.00246, 0.00248, 0.00249, 0.0026, 0.0030]  # ms: 8 of 10 in time
-    t, budgets = 0.0, []
-    for i in range(4 * PROBE_EVERY):
-        in_force = budget.new_step(t)
-        budgets.append(in_force)
-        if in_force > 0:
-            rtt = rtts[i % len(rtts)]
-            budget.observe(rtt if rtt <= in_force else None)
-        t += STEP_S
+    rtts = [0.0018, 0.0020, 0.0022, 0.0023, 0.0024, 0.00246, 0.00248, 0.00249, 0.0026, 0.0030]  # 8 of 10 in time
+    _, budgets = _steps(budget, 4 * PROBE_EVERY, 0.0, rtts)
     assert budget.rtt_p90_s is not None and budget.rtt_p90_s + MARGIN_S > cap, "the case under test: p90 past the cap"
     assert all(b > 0 for b in budgets), f"auto stopped waiting though 8 in 10 answers land in time: {budgets}"
     # Waits that ran out count at their budget, so the budget climbs (by the margin a refresh) to the cap.
