@@ -95,8 +95,16 @@ class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
         client.scheduler_call(self._mode, _clock() - t0)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Upstream's answer (``(None, False)`` while pending), timed as time spent blocking the scheduler."""
+        """Upstream's answer (``(None, False)`` while pending), timed as time spent blocking the scheduler.
+
+        A request whose every hashed block vLLM has already computed is answered ``(0, False)`` at once: the store
+        cannot add a token to it, whatever it holds, so asking (and deferring the request a step for it) buys
+        nothing. A lookup started at admission is kept: should vLLM's count fall on a later try, it still serves.
+        """
         t0 = _clock()
+        if num_computed_tokens >= len(request.block_hashes) * self._hash_block_size:
+            self.client.scheduler_call(self._mode, _clock() - t0)
+            return 0, False
         if request.trace_headers and not self.lookup_config.lookup_on_admission and self.enable_lookup \
                 and request.num_tokens >= self._align:  # started here: with the request's trace
             self.client.start(request.request_id, request.num_tokens, request.block_hashes,

@@ -44,3 +44,23 @@ def test_a_steps_arrivals_are_built_first_then_added_back_to_back(prefix_index: 
     assert calls.count("add") == 3 * n
     assert steps == (["make"] * n + ["add"] * n) * 3, f"a step's arrivals were not added back to back: {steps}"
     assert run.requests == 3 * n and run.finished == 3 * n
+
+
+def test_scenario_fs_recurring_prompts_are_each_looked_up(prefix_index: PrefixIndex) -> None:
+    """(f)'s requests recur over a few prompts, so vLLM's own prefix cache soon holds them; a prompt it holds
+    whole is answered with no lookup, which would leave (f) timing nothing of the lookup path. Each request's
+    own last block keeps every lookup asked."""
+    from mooncake_lookout.connector.bench.long_prompts import Length
+    from mooncake_lookout.connector.bench.rig import BLOCK_SIZE
+
+    length = Length(8, steps=6, arrivals_per_step=2, fill=2)
+    with LookupServer(prefix_index) as server:
+        run = sched.run_mode(_Rig(prefix_index, server.address), length.workload(),
+                             sched.mode("ours async", True, lookup_async=True, lookup_timeout_ms=5000,
+                                        lookup_on_admission=False),  # a lookup is started only when asked for
+                             steps=length.steps, arrivals_per_step=length.arrivals_per_step, drain_s=5.0)
+    assert run.finished == 12
+    assert sum(run.outcomes.values()) == 12, f"a request was answered without a lookup: {run.outcomes}"
+    first, again = length.workload().request(0)[1], length.workload().request(length.fill)[1]
+    end = length.blocks * BLOCK_SIZE
+    assert first[:end - BLOCK_SIZE] == again[:end - BLOCK_SIZE] and first[end - BLOCK_SIZE:] != again[end - BLOCK_SIZE:]

@@ -284,3 +284,28 @@ def test_the_wait_budget_is_per_step_not_per_call(private_index, private_master,
     spent = sum(sec for _, sec in s.timer.calls)
     assert len(s.timer.calls) == 8
     assert 0.020 <= spent < 0.020 + 0.010, f"the step spent {spent * 1e3:.1f} ms waiting"
+
+
+def test_a_prompt_vllm_computed_whole_is_answered_at_once_without_a_lookup(stack_factory) -> None:
+    """vLLM's own prefix cache holds every hashed block of the prompt: the store cannot add a token, so the
+    first call answers 0 and the request is scheduled in the step it arrived, with no lookup and no deferral.
+    A prompt one block longer is still looked up (vLLM lacks its last block)."""
+    s = stack_factory(lookup_async=True, lookup_on_admission=False)
+    prompt = s.prompt(3, 6 * BLOCK_SIZE + 4)  # 6 full blocks (6 hashes) and a partial one
+    s.driver.add(s.driver.make_request("first", prompt))
+    s.driver.run_until_idle(200)
+    looked_up = {r.req_id for r in s.counter.records}
+    deferrals = s.counter.deferrals
+    assert "first" in looked_up and deferrals >= 1
+
+    longer = s.prompt(3, 7 * BLOCK_SIZE + 4)  # the same 6 blocks, then a 7th vLLM has not computed
+    s.driver.add(s.driver.make_request("again", prompt))
+    s.driver.add(s.driver.make_request("longer", longer))
+    added_at = s.driver.stats.steps
+    s.driver.run_until_idle(200)
+    assert s.driver.stats.computed_at_admission["again"] == 6 * BLOCK_SIZE  # vLLM's own cache, not the store
+    assert s.driver.stats.first_scheduled_step["again"] == added_at
+    assert "again" not in {r.req_id for r in s.counter.records}
+    assert "longer" in {r.req_id for r in s.counter.records}
+    assert s.counter.deferrals == deferrals + 1  # "longer" waited a step for its lookup; "again" did not
+    assert s.client.pending == 0

@@ -15,7 +15,9 @@ Each length runs in ``rounds`` rounds, the two clients alternating (ABBA: upstre
 and each client's rounds are pooled, so drift on a shared machine hits both alike. Our connector carries only
 what vLLM attaches to it (no counting observer of the bench's), as upstream's does.
 
-The store holds half of every prompt (the shared prefix) and the whole of every other one. Long prompts
+The store holds half of every prompt (the shared prefix) and the whole of every other one; each request ends
+in a block of its own, so its lookup is asked (a request whose every block vLLM's own prefix cache holds is
+answered at once, with no lookup: requests recur over a few prompts here, and would soon all be). Long prompts
 arrive less often and the runs are shorter, so the scenario stays bounded in time; the scheduler gets a
 ``max_model_len`` and KV blocks to match.
 
@@ -58,9 +60,10 @@ class Length:
 
 
     def workload(self) -> Workload:
-        """The length's prompts: half of each is a prefix shared with every other prompt."""
+        """The length's prompts: half of each is a prefix shared with every other prompt, the last block each
+        request's own (so vLLM's own prefix cache never holds a whole prompt, and every lookup is asked)."""
         return Workload(prompt_blocks=self.blocks, prefix_blocks=max(1, self.blocks // 2), num_prefixes=2,
-                        seed=1000 + self.blocks, fill=self.fill)
+                        seed=1000 + self.blocks, fill=self.fill, own_last_block=True)
 
 
 FULL = (Length(8, 200, 4), Length(64, 200, 2), Length(512, 120, 1, 2, 8), Length(4096, 60, 1, 6, 4))

@@ -62,15 +62,21 @@ def summary_us(seconds: Sequence[float]) -> dict[str, float]:
             "p99": quantile(us, 0.99), "max": max(us)}
 
 
+def _tokens(seed: int, kind: int, owner: int, count: int) -> list[int]:
+    return [(seed * 1_000_003 + kind * 100_003 + owner * 7919 + j * 31) % 50_000 + 1 for j in range(count)]
+
+
 def token_prompts(n: int, *, prefix_blocks: int = 4, unique_blocks: int = 4, num_prefixes: int = 4,
                   extra_tokens: int = 1, seed: int = 0) -> list[tuple[str, list[int]]]:
     """``n`` (req_id, prompt) pairs; request ``i`` starts with prefix ``i % num_prefixes``, then its own tokens."""
-    def tokens(kind: int, owner: int, count: int) -> list[int]:
-        return [(seed * 1_000_003 + kind * 100_003 + owner * 7919 + j * 31) % 50_000 + 1 for j in range(count)]
+    prefixes = [_tokens(seed, 1, p, prefix_blocks * BLOCK_SIZE) for p in range(num_prefixes)]
+    own = unique_blocks * BLOCK_SIZE + extra_tokens
+    return [(f"r{seed}-{i}", prefixes[i % num_prefixes] + _tokens(seed, 2, i, own)) for i in range(n)]
 
-    prefixes = [tokens(1, p, prefix_blocks * BLOCK_SIZE) for p in range(num_prefixes)]
-    return [(f"r{seed}-{i}", prefixes[i % num_prefixes] + tokens(2, i, unique_blocks * BLOCK_SIZE + extra_tokens))
-            for i in range(n)]
+
+def own_tokens(owner: int, count: int, seed: int = 0) -> list[int]:
+    """``count`` tokens of ``owner``'s own, unlike any of :func:`token_prompts`' (a request's new question)."""
+    return _tokens(seed, 3, owner, count)
 
 
 def close_upstream_client(client: Any, timeout_s: float = 5.0) -> bool:
@@ -234,4 +240,4 @@ class Rig(ClientMaker):
 
 
 __all__ = ["BLOCK_SIZE", "MOONCAKE_LEASE_MS", "ClientMaker", "Rig", "close_upstream_client", "next_lookup_port",
-           "quantile", "summary_us", "token_prompts"]
+           "own_tokens", "quantile", "summary_us", "token_prompts"]

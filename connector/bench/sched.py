@@ -17,7 +17,14 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from mooncake_lookout.connector.bench.rig import Rig, close_upstream_client, summary_us, token_prompts
+from mooncake_lookout.connector.bench.rig import (
+    BLOCK_SIZE,
+    Rig,
+    close_upstream_client,
+    own_tokens,
+    summary_us,
+    token_prompts,
+)
 from mooncake_lookout.connector.events import LookupObserver, LookupRecord, OutcomeCounter
 from mooncake_lookout.connector.transport.names import PIPELINED
 
@@ -166,12 +173,16 @@ class Workload:
     """Token prompts with shared prefixes, made on demand; the store is filled once, before any run.
 
     Prompts of even index are cached whole in the store, odd ones only up to their shared prefix,
-    so the store answers a mix of long and short hits.
+    so the store answers a mix of long and short hits. ``own_last_block``: each request's last full block is
+    its own (a prompt ending in a new question). Requests recur over ``fill`` prompts, so vLLM's own prefix
+    cache soon holds every other block; without a block of its own, a request would have every block computed
+    by vLLM, and the connector rightly asks the store nothing for it.
     """
 
     def __init__(self, *, prompt_blocks: int = 8, prefix_blocks: int = 4, num_prefixes: int = 4,
-                 seed: int = 0, fill: int = 4096) -> None:
+                 seed: int = 0, fill: int = 4096, own_last_block: bool = False) -> None:
         self.prompt_blocks = prompt_blocks
+        self.own_last_block = own_last_block
         self.prefix_blocks = min(prefix_blocks, prompt_blocks)
         self.num_prefixes = num_prefixes
         self.seed = seed
@@ -190,6 +201,9 @@ class Workload:
     def request(self, k: int) -> tuple[str, list[int]]:
         """Request number ``k``: a fresh id, the prompt of ``k`` modulo the filled prompts (so hits recur)."""
         _, prompt = self.prompts(self.fill)[k % self.fill]
+        if self.own_last_block:
+            end = self.prompt_blocks * BLOCK_SIZE
+            prompt = prompt[:end - BLOCK_SIZE] + own_tokens(k, BLOCK_SIZE, self.seed) + prompt[end:]
         return f"q{k}", prompt
 
     def fill_store(self, rig: Rig, hash_of: Callable[[list[int]], list[bytes]]) -> int:
