@@ -131,10 +131,13 @@ def test_a_deep_waiting_queue_against_an_idle_store_is_never_refused(prefix_inde
         client.observers.add(counter)
         try:
             prompts = [[(i * 7919 + j) % 50000 + 1 for j in range(65)] for i in range(reqs)]
-            cached = driver.block_hashes(prompts[0])
+            cached = driver.block_hashes(prompts[0])[:3]
             prefix_index.store_prefixes([cached])
             for i, prompt in enumerate(prompts):
-                driver.add(driver.make_request(f"w{i}", prompt if i % 2 else prompts[0], max_tokens=8))
+                # Even requests: a 3-block prefix the store holds, then a block of their own (a prompt vLLM has
+                # computed whole would be answered without a lookup).
+                shared = prompt if i % 2 else prompts[0][:3 * BLOCK] + prompt[3 * BLOCK:]
+                driver.add(driver.make_request(f"w{i}", shared, max_tokens=8))
             assert client.pending <= client.config.lookup_max_pending
             peak = 0
             for _ in range(120):

