@@ -175,7 +175,7 @@ class Workload:
     Prompts of even index are cached whole in the store, odd ones only up to their shared prefix,
     so the store answers a mix of long and short hits. ``own_last_block``: each request's last full block is
     its own (a prompt ending in a new question). Requests recur over ``fill`` prompts, so vLLM's own prefix
-    cache soon holds every other block; without a block of its own, a request would have every block computed
+    cache soon holds all their blocks; without a block of its own, a request would have every block computed
     by vLLM, and the connector rightly asks the store nothing for it.
     """
 
