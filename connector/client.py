@@ -2,32 +2,28 @@
 
 What the scheduler can count on:
 
-* ``lookup(..., non_block=False)`` never waits longer than ``lookup_timeout_ms``; ``non_block=True`` waits
-  at most what is left of the step's budget (``lookup_wait_us``, or ``auto``). A lookup *sent* and not
-  answered by its deadline is a miss, counted as a timeout; time in the client's own queue is not the
-  server's failure and never counts against the deadline or the breaker.
-* A step's lookups travel together: the step's first call takes in the answers that came; the first call for
-  a pending lookup hands over every lookup started since the last hand-over (an answer is served first: the
-  I/O thread sends only once the scheduler lets go of the GIL); :meth:`end_step` hands over the rest. With the
-  socket on this thread (blocking, or a wait budget) a step's first :data:`ADMISSION_FRAMES` admissions leave at
-  once, a frame each: the round trip runs while vLLM takes in its input and schedules its running requests.
+* ``lookup(..., non_block=False)`` never waits past ``lookup_timeout_ms``; ``non_block=True`` waits at most what
+  is left of the step's budget (``lookup_wait_us``, or ``auto``). A lookup *sent* and unanswered by its deadline
+  is a timeout; time in the client's own queue never counts against the deadline or the breaker.
+* A step's lookups travel together: its first call takes in the answers that came (an answer is served first);
+  the first call for a pending lookup hands over every lookup started since the last hand-over, and
+  :meth:`end_step` the rest. With the socket on this thread (blocking, or a wait budget) a step's first
+  :data:`ADMISSION_FRAMES` admissions leave at once, a frame each; async lookups may leave earlier still, from
+  vLLM's input thread (:attr:`arrivals`, the one state shared with another thread: arrivals.py).
 * After ``lookup_breaker_failures`` consecutive failures, lookups answer a miss at once for
   ``lookup_breaker_cooldown_s``, then one probe decides.
-* At most ``lookup_max_pending`` lookups are queued or in flight: past it an admission starts none and a
-  non-blocking ask defers (a deep waiting queue must not turn into refusals); a blocking ask gets a miss
-  (``rejected``). At most ``lookup_max_held`` answers are held (past it, the oldest is forgotten).
-* An answer is served only for the request it was asked for (same ``num_tokens``, same hashes), in the
-  current generation (``reset`` bumps it), and only while every block it counts is trusted: found by a store
-  check sent at most ``lookup_answer_ttl_ms`` before (known blocks included), so the master's lease leaves the
-  load its margin (docs/reliability.md, "No stale hit"; checked in :meth:`StoreView.untrusted`). Failed
-  or refused answers are not held: the next call asks again.
+* At most ``lookup_max_pending`` lookups are queued or in flight: past it an admission starts none, a
+  non-blocking ask defers, a blocking ask gets a miss (``rejected``). At most ``lookup_max_held`` answers are
+  held (past it, the oldest is forgotten).
+* An answer is served only for the request it was asked for (same ``num_tokens``, same hashes), in the current
+  generation (``reset`` bumps it), and only while every block it counts is trusted: found by a store check sent
+  at most ``lookup_answer_ttl_ms`` before (docs/reliability.md, "No stale hit"; :meth:`StoreView.untrusted`).
+  Failed or refused answers are not held: the next call asks again.
 * Store errors and timeouts are reported as such, never as misses. ``busy`` and ``bad_request`` replies fail
   only their lookups: they clear nothing and do not feed the breaker.
 
 The scheduler's thread does what it must: one object a lookup (:class:`Lookup`, also the result vLLM reads); a
 pending one costs a look-up and a deferral; telemetry an append to the step's log (:class:`StepLog`).
-
-Every method is called from one thread (vLLM's engine-core thread); no state here is shared with another.
 """
 
 from __future__ import annotations
@@ -36,11 +32,13 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from mooncake_lookout.connector.answers import Answers
+from mooncake_lookout.connector.arrivals import Arrivals, arrivals_for
 from mooncake_lookout.connector.breaker import CircuitBreaker
 from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.events import LookupObserver, ObserverSet
 from mooncake_lookout.connector.job import TailKeyBoundary
-from mooncake_lookout.connector.lookup import ERROR, HIT, MISS, TIMEOUT, Lookup, Outcome
+from mooncake_lookout.connector.lookup import ERROR, HIT, TIMEOUT, Lookup, Outcome
 from mooncake_lookout.connector.prefix_cache import PrefixCache, StoreView
 from mooncake_lookout.connector.step_log import Reporting, StepLog
 from mooncake_lookout.connector.transport.base import Transport, TransportClosed
@@ -50,7 +48,7 @@ _clock = time.perf_counter
 ADMISSION_FRAMES = 4  # frames a step sent at admission; past them, a send each costs more than a head start gains
 
 
-class LookupClient(Reporting):
+class LookupClient(Answers, Reporting):
     """Asynchronous, deadline-bound prefix lookups; one instance per scheduler, used from one thread."""
 
     def __init__(self, config: LookupConfig, transport: Transport, *,
@@ -85,6 +83,9 @@ class LookupClient(Reporting):
         self.observers.on_add = self._listen
         self._listen()
         self._stepped = self._sent_this_step = self._drained_this_step = self._closed = False  # no step known yet
+        # Lookups vLLM's input thread sent as their requests arrived (async lookups only: arrivals.py).
+        self.arrivals: Arrivals | None = arrivals_for(
+            self, transport, enabled=config.lookup_on_arrival and config.lookup_async)
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any, *, observer: LookupObserver | None = None) -> LookupClient:
@@ -184,19 +185,6 @@ class LookupClient(Reporting):
             lk.finish(TIMEOUT, now, error="not sent before the deadline: queued behind other lookups", local=True)
         return self._settle(lk)
 
-    def _serve(self, lk: Lookup, non_block: bool, called: float) -> Lookup | None:
-        """Serve ``lk``'s answer if it may be served now (docs/reliability.md, "No stale hit"), else drop it."""
-        view = self.store_view
-        if lk.outcome is HIT and not (lk.local or lk.refused) and lk.t_start is not None:
-            lk.valid_until = view.valid_until(lk)  # a hit is trusted no longer than the checks behind it
-        why = view.untrusted(lk, _clock())
-        if why is None:
-            return self._settle(lk)
-        # Wiped (or a store error) since, or past its blocks' trust: ask again (a blocking call within its bound).
-        self._dropped(lk, why)
-        return None if non_block else self._ask(lk.req_id, lk.num_tokens, lk.block_hashes, False, lk.trace_headers,
-                                                called, None)
-
     def start(self, req_id: str, num_tokens: int, block_hashes: Sequence[bytes], *,
               trace_headers: Mapping[str, str] | None = None, admission: bool = False) -> Lookup | None:
         """Make sure a current lookup exists for this request (e.g. at admission); never waits. ``admission``: the
@@ -222,7 +210,9 @@ class LookupClient(Reporting):
         self._sent_this_step = self._drained_this_step = False
         self._admission_frames_left = self._admission_frames
         budget = self.budget
-        budget.new_step(_clock())
+        budget.new_step(now := _clock())
+        if self.arrivals is not None:
+            self.arrivals.sweep(now)
         if self.log is not None and (interval := budget.last_interval_s) is not None:
             self.log.intervals.append(interval)
         if self._ev is not None:
@@ -243,13 +233,18 @@ class LookupClient(Reporting):
         for lk in list(self._lookups.values()):
             self._drop(lk)
         self.store_view.clear("reset")
-        return False if self._closed else self.transport.reset(self.config.lookup_reset_timeout_s)
+        ok = False if self._closed else self.transport.reset(self.config.lookup_reset_timeout_s)
+        if self.arrivals is not None:  # the reset is handed over: what was sent at arrival before it never serves
+            self.arrivals.reset()
+        return ok
 
     def close(self) -> None:
         """Drop every lookup and stop the transport; safe to call twice."""
         if self._closed:
             return
         self._closed = True
+        if self.arrivals is not None:
+            self.arrivals.close()
         for lk in list(self._lookups.values()):
             self._drop(lk)
         self.transport.close()
@@ -267,6 +262,12 @@ class LookupClient(Reporting):
 
     def _submit(self, req_id: str, num_tokens: int, block_hashes: Sequence[bytes],
                 trace_headers: Mapping[str, str] | None, now: float, *, admission: bool) -> Lookup | None:
+        arrivals = self.arrivals
+        if arrivals and (lk := arrivals.take(req_id, num_tokens, block_hashes, self.generation)) is not None:
+            self._lookups[req_id] = lk  # sent at arrival, maybe answered: this request's from now on
+            self._open += 1
+            self._adopted(lk)
+            return lk
         if admission and self._open >= self._max_pending:
             return None
         lk = Lookup(req_id, num_tokens, block_hashes, self.transport.name, self.generation, now, self._timeout_s,
@@ -347,54 +348,5 @@ class LookupClient(Reporting):
             self.budget.observe(lk.t_answer - max(now, lk.t_start)
                                 if lk.outcome is not None and lk.t_answer is not None else None)
 
-    def _settle(self, lk: Lookup) -> Lookup:
-        """The caller has its answer: record it, feed the breaker, hold it if it is worth holding."""
-        now = _clock()
-        if lk.hit_length >= lk.num_tokens > 0:
-            lk.error = (f"the server claimed {lk.hit_length} cached tokens of a {lk.num_tokens}-token prompt; "
-                        f"the last token must be computed")
-            lk.outcome, lk.hit_length, lk.tail_key_boundaries = ERROR, 0, ()
-        lk.t_consume, outcome = now, lk.outcome
-        if not (lk.local or lk.refused) and lk.t_start is not None:  # refusals teach nothing: busy is no wipe
-            self.breaker.record(not (failed := outcome is ERROR or outcome is TIMEOUT))
-            lk.valid_until = lk.valid_until or self.store_view.valid_until(lk)
-            if failed:
-                self.store_view.failed(lk.outcome is ERROR, lk.t_answer or now)  # the master may have restarted
-            elif self.store_view.cache is not None:
-                self.store_view.remember(lk, lk.hit_length)
-        elif lk.probe:  # a probe turned away busy says nothing: let the next one through at once
-            self.breaker.probe_abandoned()
-        self._open -= 1
-        if self.log is not None:
-            self._ended(lk)
-        if self._ev is not None:
-            self._ev.consumed(lk)
-        if not (outcome is HIT or outcome is MISS):  # failed or refused: not held, the next call asks again
-            del self._lookups[lk.req_id]
-            return lk
-        lk.held, held = True, self._held
-        held[lk.req_id] = None
-        while len(held) > self.config.lookup_max_held:  # the oldest go first
-            if (gone := self._lookups.pop(old := next(iter(held)), None)) is not None:
-                self._dropped(gone, "evicted", forget=False)
-            del held[old]
-        return lk
-
-    def _drop(self, lk: Lookup) -> None:
-        if self._lookups.get(req_id := lk.req_id) is lk:
-            del self._lookups[req_id]
-        if lk.held or lk.t_consume is not None:  # answered (held, or failed and not held): counted already
-            self._held.pop(req_id, None)
-            return
-        self.transport.forget(lk)
-        if lk.evidence and lk.t_start is not None:
-            self.breaker.record(not lk.failed)
-        elif lk.probe:
-            self.breaker.probe_abandoned()
-        lk.outcome, lk.t_consume = Outcome.DISCARDED, _clock()
-        self._open -= 1
-        self._ended(lk)
-        if self._ev is not None:
-            self._ev.discarded(lk)
 
 __all__ = ["LookupClient"]

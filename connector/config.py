@@ -135,10 +135,14 @@ class LookupConfig:
         lambda v: v in TRANSPORTS, " or ".join(TRANSPORTS))
     lookup_on_admission: bool = _key(
         True, "start the lookup when the request arrives (`on_new_request`), not at its first scheduling")
+    lookup_on_arrival: bool = _key(
+        True, f"async lookups over `{PIPELINED}`: send the lookup from vLLM's input thread as the request is built "
+              "(during the model step), so its answer is usually in by the first `schedule()` that sees it")
     lookup_server_address: str = _key(
         "", f"{PIPELINED} transport: ZMQ address of the lookup server; empty derives a private IPC path "
             "from vLLM's config",
-        lambda v: v == "" or v.startswith(("ipc://", "tcp://")), "'', ipc://... or tcp://...")
+        lambda v: v == "" or (v.startswith(("ipc://", "tcp://")) and "\n" not in v),
+        "'', ipc://... or tcp://..., one line")
     lookup_curve_server_public_key: str = _key(
         "", f"{PIPELINED} transport, client side: the lookup server's CURVE public key, a zmq.auth certificate file "
             "(`server.key`); with `lookup_curve_client_secret_key` the channel is encrypted and both ends "

@@ -49,7 +49,7 @@ class Lookup:
         "outcome", "hit_length", "tail_key_boundaries", "error", "local", "refused",
         # what the client knows of it
         "lookup_id", "deferrals", "known", "known_until", "epoch", "countable_blocks", "known_blocks", "from_cache",
-        "valid_until", "probe", "held", "cancelled", "sampled",
+        "valid_until", "probe", "held", "cancelled", "sampled", "adopted",
     )
 
     def __init__(self, req_id: str, num_tokens: int, block_hashes: Sequence[bytes], transport: str,
@@ -91,6 +91,7 @@ class Lookup:
         self.held = False  # answered to the scheduler and kept until the request is allocated
         self.cancelled = False  # nobody wants the answer any more: an unsent lookup is never sent
         self.sampled = False  # traced (tracing on, and the request or the sampler says so)
+        self.adopted = True  # the client's (False while a lookup sent at arrival waits for admission: arrivals.py)
 
     # -- the answer -------------------------------------------------------------------------------------------
     def finish(self, outcome: Outcome, now: float, hit_length: int = 0,

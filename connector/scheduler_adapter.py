@@ -3,7 +3,9 @@
 Upstream's logic (load specs, store jobs, block pinning) is inherited unchanged; this class only changes
 how a lookup is started, waited for, timed and forgotten:
 
-* a lookup starts when the request arrives (``on_new_request``) if ``lookup_on_admission``; the lookups of
+* an async lookup starts on vLLM's input thread as the request is built, during the model step, if
+  ``lookup_on_arrival`` (:mod:`.input_thread`, :mod:`.arrivals`): its answer is usually in by the first call;
+* else a lookup starts when the request arrives (``on_new_request``) if ``lookup_on_admission``; the lookups of
   a step leave together at the step's first call for a pending lookup (answers that came are served first;
   with the socket on this thread, a step's first few admissions leave at once), and
   :meth:`build_connector_meta` (once per step) tells the client the step is over (it sends what is left
@@ -28,6 +30,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.scheduler import MooncakeStoreScheduler
 
+from mooncake_lookout.connector import input_thread
 from mooncake_lookout.connector.addresses import lookup_address
 from mooncake_lookout.connector.client import LookupClient
 from mooncake_lookout.connector.config import LookupConfig
@@ -81,6 +84,16 @@ class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
         # Fixed once upstream's __init__ has run; read on every admission and every first call (each a cold call).
         self._align = self._hash_block_size if self.enable_partial_hash_hits else self._block_size
         self._start_at_admission = config.lookup_on_admission and self.enable_lookup
+        # Async lookups start on vLLM's input thread as the request is built, when the transport allows it.
+        self._arrivals = self.client.arrivals if self.enable_lookup else None
+        if self._arrivals is not None and not input_thread.listen(self._request_built):
+            self._arrivals = None
+
+    def _request_built(self, request: Any) -> None:
+        """vLLM's input thread built ``request``: send its lookup now (arrivals.py)."""
+        arrivals = self._arrivals
+        if arrivals is not None and request.num_tokens >= self._align:
+            arrivals.send(request.request_id, request.num_tokens, request.block_hashes, request.trace_headers)
 
     def on_new_request(self, request: Any) -> None:
         """Start the lookup at admission, so its answer is usually ready by the first scheduling attempt."""
@@ -143,7 +156,10 @@ class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
         return self.telemetry.take(flush=not self._unfinished)
 
     def close(self) -> None:
-        """Stop the lookup client and its transport, then flush spans."""
+        """Stop the lookup client and its transport, then flush spans (safe to call twice)."""
+        if self._arrivals is not None:
+            self._arrivals = None
+            input_thread.stop(self._request_built)
         self.client.close()
         self.telemetry.close()
 

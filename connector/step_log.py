@@ -49,6 +49,7 @@ class Reporting:
     log: StepLog | None
     observers: ObserverSet
     transport: Transport
+    sampler: Any
     _ev: ObserverSet | None
 
     def take_log(self) -> StepLog:
@@ -70,6 +71,18 @@ class Reporting:
             self.log.deferrals += 1
         if self._ev is not None:
             self._ev.deferred(lk)
+
+    def _adopted(self, lk: Lookup) -> None:
+        """A lookup sent at arrival became its request's: its events so far, in order (it may be answered)."""
+        if self.sampler is not None:
+            lk.sampled = self.sampler(lk.trace_headers)
+        ev = self._ev
+        if ev is not None:
+            ev.submitted(lk)
+            if ev.listens("started"):
+                ev.started(lk)
+            if lk.outcome is not None and ev.listens("answered"):
+                ev.answered(lk)
 
     def _ended(self, lk: Lookup) -> None:
         """``lk`` ended: its answer was used, or it was discarded."""

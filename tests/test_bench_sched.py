@@ -64,3 +64,29 @@ def test_scenario_fs_recurring_prompts_are_each_looked_up(prefix_index: PrefixIn
     first, again = length.workload().request(0)[1], length.workload().request(length.fill)[1]
     end = length.blocks * BLOCK_SIZE
     assert first[:end - BLOCK_SIZE] == again[:end - BLOCK_SIZE] and first[end - BLOCK_SIZE:] != again[end - BLOCK_SIZE:]
+
+
+def test_arriving_in_the_model_step_hands_each_request_to_the_input_thread_hook_then_admits_it_at_the_next_step(
+        prefix_index: PrefixIndex) -> None:
+    """(f)'s arrivals, as in a live engine: each request reaches the engine at a moment of the model step before
+    the step that admits it (``driver.arrive``, what vLLM's input thread hands the connector), never at a step's
+    start; its answer delay counts from then."""
+    events: list[tuple[str, str, int]] = []
+
+    def watch(driver: Any) -> None:
+        arrive, add = driver.arrive, driver.add
+        driver.arrive = lambda r: (events.append(("arrive", r.request_id, driver.stats.steps)), arrive(r))[1]
+        driver.add = lambda r: (events.append(("add", r.request_id, driver.stats.steps)), add(r))[1]
+
+    with LookupServer(prefix_index) as server:
+        run = sched.run_mode(_Rig(prefix_index, server.address), sched.Workload(),
+                             sched.mode("ours async", True, lookup_async=True, lookup_timeout_ms=5000), steps=4,
+                             arrivals_per_step=2, drain_s=5.0, prepare=watch, arrive_in_step=True)
+    assert run.requests == 8 and run.finished == 8
+    arrived = {rid: step for kind, rid, step in events if kind == "arrive"}
+    added = {rid: step for kind, rid, step in events if kind == "add"}
+    assert arrived.keys() == added.keys() and len(arrived) == 8
+    # the first step's requests arrive before it; every later step's during the step before (its model step)
+    assert all(added[r] == (0 if arrived[r] == 0 and r in ("q0", "q1") else arrived[r] + 1) for r in arrived)
+    assert [events.index(("arrive", r, arrived[r])) < events.index(("add", r, added[r])) for r in arrived] == [True] * 8
+    assert len(run.answer_delay) == 8 and min(run.answer_delay) > 0

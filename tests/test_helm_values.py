@@ -102,13 +102,17 @@ PATH_KEYS = {k.name for k in KEYS if k.name.startswith("lookup_curve_")}  # key 
 @given(st.sampled_from(KEYS).flatmap(lambda key: st.tuples(st.just(key), _lookup_value(key))))
 @example((CURVE_SERVER_PUBLIC_KEY, "/"))  # found by this test in a fresh-clone run: an absolute path, no key file
 @example((next(k for k in KEYS if k.name == "lookup_curve_allowed_clients"), "/"))
+@example((CURVE_SERVER_PUBLIC_KEY, "\n"))  # found in a run: Python's "$" also matches before a final newline
+@example((next(k for k in KEYS if k.name == "lookup_server_address"), "\n"))
+@example((next(k for k in KEYS if k.name == "lookup_server_address"), "tcp://a\nb"))
 def test_schema_accepts_a_lookup_value_exactly_when_the_connector_does(key_value):
     key, value = key_value
     if key.name in PATH_KEYS:
         # A key file (or folder): the schema checks its form ('' or an absolute path, as the chart mounts it); only the
         # connector can read the file (a missing or bad file is a ConfigError: tests/test_curve.py).
         assert jsonschema.Draft7Validator(LOOKUP_SCHEMA["properties"][key.name]).is_valid(value) == (
-            isinstance(value, str) and (value == "" or value.startswith("/"))), f"{key.name}={value!r}"
+            isinstance(value, str) and (value == "" or value.startswith("/")) and "\n" not in value), \
+            f"{key.name}={value!r}"
         return
     # What the engine receives: helm holds numbers as float64 and its toJson writes integral ones without ".0".
     as_rendered = int(value) if isinstance(value, float) and value.is_integer() and abs(value) < 1e21 else value

@@ -13,7 +13,8 @@ proxy that forwards every call and notes, per key, when a ``batch_is_exist`` tha
 eviction, this instance's reset, another instance's reset of the shared namespace, the master paused (so
 lookups time out) or restarted (every key gone), and ``busy`` replies from the server's per-peer bound.
 
-Hypothesis draws interleavings of these with turns of conversations, scheduler steps, waits and asks about
+Hypothesis draws interleavings of these with turns of conversations (their lookups started at their first ask,
+at admission, or sent from an input thread as they arrive), scheduler steps, waits and asks about
 pending and held requests. CI runs the derandomized profile (tests/conftest.py); the cases it found are
 replayed as plain tests at the end of this file.
 """
@@ -228,6 +229,7 @@ class LookupPath(RuleBasedStateMachine):
         self.truth = Truth()
         self.conversations: list[list[bytes]] = [[], [], []]
         self.waiting: list[Request] = []
+        self.arrived: list[Request] = []  # their lookups sent from the input thread, admitted at the next step
         self.faults = 0  # own resets, other wipes, pauses, restarts: what may justify a clear or a drop
         self.served = 0
         self.restarted = False
@@ -253,16 +255,26 @@ class LookupPath(RuleBasedStateMachine):
 
     @rule(ms=st.sampled_from(WAITS_MS), arrivals=st.lists(st.tuples(st.sampled_from((0, 0, 1, 2)), st.integers(1, 6)),
                                                      max_size=3),
-          at_admission=st.booleans(), allocations=st.integers(0, 2), aborts=st.integers(0, 1))
-    def step(self, ms: int, arrivals: list[tuple[int, int]], at_admission: bool, allocations: int, aborts: int) -> None:
-        """A scheduling step, ``ms`` after the last, as vLLM's async scheduler runs it: new turns of conversations
-        arrive (their lookups start at admission, or at their first ask), every waiting request is asked about
-        (pending, answered now, or held since an earlier step), some with an answer are allocated (the client
-        forgets them, their prefill is saved), some are aborted; then the step ends."""
+          start=st.sampled_from(("ask", "admission", "arrival")), allocations=st.integers(0, 2),
+          aborts=st.integers(0, 1))
+    def step(self, ms: int, arrivals: list[tuple[int, int]], start: str, allocations: int, aborts: int) -> None:
+        """A scheduling step, ``ms`` after the last, as vLLM's async scheduler runs it: the requests that arrived
+        during the last model step are admitted (their lookups left from the input thread then); new turns of
+        conversations arrive (their lookups start at admission, at their first ask, or, sent from an input
+        thread after this step, at arrival: they are admitted at the next step, faults may come between), every
+        waiting request is asked about (pending, answered now, or held since an earlier step), some with an
+        answer are allocated (the client forgets them, their prefill is saved), some are aborted; the step ends."""
         time.sleep(ms / 1000)
+        for req in self.arrived:
+            self.client.start(req.req_id, req.num_tokens, req.hashes, admission=True)
+            self.waiting.append(req)
+        self.arrived = []
         for conversation, new_blocks in arrivals:
             req = self._new_request(conversation, new_blocks)
-            if at_admission:
+            if start == "arrival" and self.client.arrivals is not None:
+                self.waiting.remove(req)
+                self.arrived.append(req)
+            elif start != "ask":
                 self.client.start(req.req_id, req.num_tokens, req.hashes, admission=True)
         for req in list(self.waiting):
             self._ask(req, non_block=True)
@@ -274,6 +286,12 @@ class LookupPath(RuleBasedStateMachine):
             self.client.discard(req.req_id)
             self.waiting.remove(req)
         self.client.end_step()
+        if self.arrived:  # vLLM's input thread builds them while the model runs
+            arrivals = self.client.arrivals
+            thread = threading.Thread(target=lambda: [arrivals.send(r.req_id, r.num_tokens, r.hashes)
+                                                      for r in self.arrived], name="input")
+            thread.start()
+            thread.join(5.0)
 
     @rule(pick=st.integers(0, 63))
     def ask_blocking(self, pick: int) -> None:

@@ -306,3 +306,27 @@ def test_a_prompt_vllm_computed_whole_is_answered_at_once_without_a_lookup(stack
     assert "again" not in {r.req_id for r in s.counter.records}
     assert "longer" in {r.req_id for r in s.counter.records}
     assert s.client.pending == 0
+
+
+def test_a_request_whose_lookup_left_on_arrival_is_scheduled_with_its_hit_in_its_first_step(stack_factory) -> None:
+    """vLLM's input thread builds a request while the model runs; our connector sends its lookup then
+    (``lookup_on_arrival``), so the scheduler's first look at the request finds the answer in: no deferral. The
+    upstream transport has no thread to send it from: its request waits a step for the answer, as before."""
+    s = stack_factory(lookup_async=True, lookup_timeout_ms=5000)
+    prompt = s.prompt(21, 6 * BLOCK_SIZE + 3)
+    s.cache(prompt, 4)
+    request = s.driver.make_request("early", prompt)
+    s.driver.arrive(request)  # what vLLM's EngineCore.preprocess_add_request hands the connector
+    pipelined = s.client.arrivals is not None
+    assert pipelined == (s.client.transport.name == "pipelined")
+    if pipelined:
+        end = time.monotonic() + 5
+        while not s.client.transport.news:  # the answer is in before the request is admitted
+            assert time.monotonic() < end
+            time.sleep(0.001)
+    s.driver.add(request)
+    added_at = s.driver.stats.steps
+    s.driver.run_until_idle(200)
+    assert s.driver.stats.computed_at_admission["early"] == 4 * BLOCK_SIZE
+    assert (s.driver.stats.first_scheduled_step["early"] == added_at) == pipelined
+    assert s.counter.deferrals == (0 if pipelined else s.counter.deferrals) and s.client.pending == 0

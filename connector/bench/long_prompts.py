@@ -3,13 +3,17 @@
 Why: a lookup carries every block hash of its prompt, so its cost on the scheduler's thread grows with
 the prompt: copying and joining the hashes, encoding the frame, building the store keys. At 4,096 blocks
 (65,536 tokens) that is 131 KB of hashes per lookup. This runs scenario (c)'s set-up (:mod:`.sched`:
-vLLM's V1 ``Scheduler``, requests arriving before a step, a made-up model step) with upstream's
+vLLM's V1 ``Scheduler``, a made-up model step) with upstream's
 connector and ours, both ``lookup_async``, for each prompt length, and reports per length:
 
 * the cost of one ``get_num_new_matched_tokens`` call (the connector's lookup calls);
 * the mean time of one ``schedule()`` call per step (it holds every lookup call of the step and, for
   ours, ``end_step``);
 * the time from a request's arrival to its answer.
+
+Requests arrive as in a live engine: at a random moment of the model step (vLLM's input thread builds them
+while the model runs), and are admitted at the next step's start. Each connector starts its lookup where it
+can: upstream's at its first scheduling attempt, ours on the input thread (``lookup_on_arrival``).
 
 Each length runs in ``rounds`` rounds, the two clients alternating (ABBA: upstream, ours, ours, upstream, ...),
 and each client's rounds are pooled, so drift on a shared machine hits both alike. Our connector carries only
@@ -90,7 +94,7 @@ def run_length(rig: Rig, length: Length, *, rounds: int, model_step_s: float = 0
         runs[m.label].append(run_mode(
             rig, workload, m, arrivals_per_step=length.arrivals_per_step, arrival_every=length.arrival_every,
             steps=length.steps, model_step_s=model_step_s, first_request=0, num_blocks=length.num_blocks(),
-            max_model_len=length.max_model_len, drain_s=10.0, tally=False))
+            max_model_len=length.max_model_len, drain_s=10.0, tally=False, arrive_in_step=True))
     return {"blocks": length.blocks, "steps": length.steps, "rounds": rounds,
             "arrivals_per_step": length.arrivals_per_step, "arrival_every": length.arrival_every,
             "modes": {m.label: merge_runs(runs[m.label]).as_dict() for m in modes}}

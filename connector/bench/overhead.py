@@ -137,7 +137,7 @@ def _handle(servers: _Servers, variant: str, command: dict[str, Any]) -> dict[st
                          arrivals_per_step=length.arrivals_per_step, steps=length.steps,
                          model_step_s=command["model_step_s"], num_blocks=length.num_blocks(),
                          max_model_len=length.max_model_len, drain_s=10.0, tally=False, prepare=prepare,
-                         pace=turns.after_step)
+                         pace=turns.after_step, arrive_in_step=True)  # as (f) runs
     driver = drivers[0]
     adapter = driver.connector.connector_scheduler
     stats_records = len(driver.kv_connector_stats)

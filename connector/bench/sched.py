@@ -11,6 +11,7 @@ step, as vLLM's engine core reads its input queue right before ``schedule()``; e
 
 from __future__ import annotations
 
+import random
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -225,7 +226,7 @@ def run_mode(rig: Rig, workload: Prompts, m: Mode, *, arrivals_per_step: int = A
              should_stop: Callable[[], bool] = lambda: False, drain_s: float = 5.0, arrival_every: int = 1,
              num_blocks: int = 16_384, max_model_len: int = 2048, tally: bool = True,
              prepare: Callable[[Any], None] | None = None,
-             pace: Callable[[SchedRun], None] | None = None) -> SchedRun:
+             pace: Callable[[SchedRun], None] | None = None, arrive_in_step: bool = False) -> SchedRun:
     """Run vLLM's scheduler in mode ``m``: arrivals for ``steps`` steps (or ``seconds``), then drain.
 
     ``arrivals_per_step`` requests arrive before every ``arrival_every``-th step (long prompts arrive
@@ -236,7 +237,9 @@ def run_mode(rig: Rig, workload: Prompts, m: Mode, *, arrivals_per_step: int = A
     without it our client carries only what vLLM's connector attaches (runs that compare ``schedule()`` time
     with upstream's, which has no such observer). ``prepare`` is given the scheduler's driver once it is built,
     before the first request. ``pace`` is called after every step, the drain's too (children taking turns,
-    :mod:`.turns`, wait in it).
+    :mod:`.turns`, wait in it). ``arrive_in_step``: a step's requests reach the engine at a random moment of the
+    model step before it (vLLM's input thread builds them then; the first step's, before it), and are admitted at
+    the step's start; their answer delay counts from their arrival.
     """
     from mooncake_lookout.connector.rigs.scheduler_driver import (
         SchedulerDriver,
@@ -268,19 +271,41 @@ def run_mode(rig: Rig, workload: Prompts, m: Mode, *, arrivals_per_step: int = A
         budget = steps if steps is not None else 1 << 30
         limit = seconds if seconds is not None else float("inf")
         next_req = first_request
-        t0 = time.perf_counter()
-        while run.steps < budget and time.perf_counter() - t0 < limit and not should_stop():
-            arriving = arrivals_per_step if run.steps % arrival_every == 0 else 0
+        moments = random.Random(first_request)  # when, in the model step, the next step's requests arrive
+        came: list[Any] = []  # arrived during the last model step, admitted at this step's start
+
+        def arrive(step: int) -> list[Any]:
+            nonlocal next_req
+            arriving = arrivals_per_step if step % arrival_every == 0 else 0
             # Built (and hashed) before any is added: vLLM's engine builds a Request on its input thread.
             batch = [driver.make_request(*workload.request(k)) for k in range(next_req, next_req + arriving)]
             next_req += arriving
             for request in batch:
-                driver.add(request)
-                arrived[request.request_id] = time.perf_counter()
                 prompt_len[request.request_id] = request.num_prompt_tokens
-            _step(driver, probe, run, pace)
+                if arrive_in_step:
+                    driver.arrive(request)
+                    arrived[request.request_id] = time.perf_counter()
+            return batch
+
+        def arrive_next() -> None:
+            nonlocal came
+            if run.steps + 1 < budget:
+                came = arrive(run.steps + 1)
+
+        t0 = time.perf_counter()
+        while run.steps < budget and time.perf_counter() - t0 < limit and not should_stop():
+            batch = came if arrive_in_step and run.steps else arrive(run.steps)
+            came = []
+            for request in batch:
+                driver.add(request)
+                if not arrive_in_step:
+                    arrived[request.request_id] = time.perf_counter()
+            during = (moments.uniform(0.0, model_step_s), arrive_next) if arrive_in_step else None
+            _step(driver, probe, run, pace, during)
             if on_step is not None:
                 on_step(run)
+        for request in came:  # arrived in the last model step of a run cut short: admitted, then drained
+            driver.add(request)
         drain_end = time.perf_counter() + drain_s
         while driver.scheduler.get_num_unfinished_requests() and time.perf_counter() < drain_end \
                 and not should_stop():
@@ -382,9 +407,10 @@ class TokenTally(OutcomeCounter):
         self.wait_budgets.append(wait_budget_s)
 
 
-def _step(driver: Any, probe: CallProbe, run: SchedRun, pace: Callable[[SchedRun], None] | None = None) -> None:
+def _step(driver: Any, probe: CallProbe, run: SchedRun, pace: Callable[[SchedRun], None] | None = None,
+          during_model: tuple[float, Callable[[], None]] | None = None) -> None:
     probe.step_blocked = 0.0
-    driver.step()
+    driver.step(during_model)
     run.steps += 1
     run.blocked_per_step.append(probe.step_blocked)
     if pace is not None:

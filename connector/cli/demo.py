@@ -362,7 +362,7 @@ def _run(args: argparse.Namespace, stop: threading.Event, out: TextIO, console: 
                     runs.append(run_mode(rig, workload, m, arrivals_per_step=rate, steps=None,
                                          seconds=per_mode, model_step_s=args.model_step_ms / 1e3,
                                          observers=[telemetry] if m.ours else [], on_step=on_step,
-                                         should_stop=stop.is_set, drain_s=2.0, **sizing))
+                                         should_stop=stop.is_set, drain_s=2.0, arrive_in_step=True, **sizing))
                     runs[-1].store_keys = rig.servers.store_counts()[1] - keys_before
                 finally:
                     pause.resume()

@@ -15,7 +15,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -186,17 +186,32 @@ class SchedulerDriver:
 
         self.scheduler.finish_requests(list(req_ids), RequestStatus.FINISHED_ABORTED)
 
-    def step(self) -> Any:
-        """One scheduling step plus a made-up model output of one token per scheduled request."""
+    def arrive(self, request: Any) -> None:
+        """``request`` reaches the engine: vLLM's input thread has built it (our connector may send its lookup
+        now, :mod:`~mooncake_lookout.connector.input_thread`); :meth:`add` admits it at a step's start."""
+        from mooncake_lookout.connector import input_thread
+
+        input_thread.request_built(request)
+
+    def step(self, during_model: tuple[float, Callable[[], None]] | None = None) -> Any:
+        """One scheduling step plus a made-up model output of one token per scheduled request. ``during_model``:
+        ``(seconds, call)``, ``call`` made that far into the model step (as vLLM's input thread takes in requests
+        while the model runs)."""
         from vllm.v1.outputs import ModelRunnerOutput
 
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
-        self.stats.step_seconds.append(time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        self.stats.step_seconds.append(t1 - t0)
         for new in out.scheduled_new_reqs:
             self.stats.first_scheduled_step.setdefault(new.req_id, self.stats.steps)
             self.stats.computed_at_admission.setdefault(new.req_id, new.num_computed_tokens)
-        if self.model_step_s > 0:
+        if during_model is not None:
+            offset, call = during_model
+            time.sleep(max(0.0, t1 + offset - time.perf_counter()))
+            call()
+            time.sleep(max(0.0, t1 + self.model_step_s - time.perf_counter()))
+        elif self.model_step_s > 0:
             time.sleep(self.model_step_s)
         req_ids = list(out.num_scheduled_tokens)
         runner = ModelRunnerOutput(

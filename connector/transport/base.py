@@ -38,6 +38,7 @@ class Transport(abc.ABC):
     # a transport whose socket ``collect`` reads itself has none between calls). Read on every call: no method.
     news: Any = ()
     hands_back = False  # a thread of the transport's own hands answers back (through ``news``)
+    sends_from_any_thread = False  # ``send`` may be called from a thread other than the caller's (arrivals.py)
 
     @abc.abstractmethod
     def send(self, lookups: Sequence[Lookup], *, urgent: bool = False) -> None:
@@ -84,7 +85,7 @@ class Transport(abc.ABC):
         """Record ``lk``'s answer (caller's thread); a second answer for it counts as late."""
         if not lk.finish(outcome, now, hit_length, tails, error, local=local, refused=refused):
             self._count_late()
-        elif self.on_answer is not None:
+        elif self.on_answer is not None and lk.adopted:
             self.on_answer(lk)
 
     def _count_late(self) -> None:

@@ -61,6 +61,7 @@ class ThreadedPipelinedTransport(DealerTransport):
     """
 
     hands_back = True
+    sends_from_any_thread = True  # a hand-over is a deque append and an eventfd write
 
     def __init__(self, address: str, *, timeout_s: float, on_late_reply: Callable[[], None] | None = None,
                  on_rebuild: Callable[[], None] | None = None, curve: ClientCurve | None = None,
@@ -141,7 +142,7 @@ class ThreadedPipelinedTransport(DealerTransport):
                         continue
                     lk.outcome, lk.t_answer, lk.hit_length, lk.tail_key_boundaries, lk.error = (
                         outcome, received, hit, tails, error)
-                    if on_answer is not None:
+                    if on_answer is not None and lk.adopted:
                         on_answer(lk)
             elif kind == _FAILED:
                 _, lookups, received, error, refused = item
@@ -249,8 +250,8 @@ class _Book:
         outbox, dealer = self.t._outbox, self.t._dealer
         while outbox:
             item = outbox.popleft()
-            if isinstance(item, list):  # a step's lookups
-                self.send(item)
+            if isinstance(item, list):  # a step's lookups, or one sent at arrival: a frame each (the server's
+                self.send(item)         # per-peer bound counts frames' lookups; merged, they could exceed it)
             elif item[0] == _RESET:
                 try:
                     dealer.socket().send_multipart(protocol.encode_reset(item[1]), flags=NOBLOCK)

@@ -41,11 +41,12 @@ LOOKUP_LIMITS: dict[str, dict[str, Any]] = {
     "lookup_breaker_failures": {"minimum": 1, "maximum": 10_000},
     "lookup_breaker_cooldown_s": {"exclusiveMinimum": 0, "maximum": 3600},
     "lookup_transport": {"enum": list(TRANSPORTS)},
-    "lookup_server_address": {"pattern": "^((ipc|tcp)://.*)?$"},
-    "lookup_curve_server_public_key": {"pattern": "^(/.*)?$"},
-    "lookup_curve_client_secret_key": {"pattern": "^(/.*)?$"},
-    "lookup_curve_server_secret_key": {"pattern": "^(/.*)?$"},
-    "lookup_curve_allowed_clients": {"pattern": "^(/.*)?$"},
+    # One line each: "not" a newline anywhere, since "$" also matches before a final newline in some engines.
+    "lookup_server_address": {"pattern": "^((ipc|tcp)://.*)?$", "not": {"pattern": "\\n"}},
+    "lookup_curve_server_public_key": {"pattern": "^(/.*)?$", "not": {"pattern": "\\n"}},
+    "lookup_curve_client_secret_key": {"pattern": "^(/.*)?$", "not": {"pattern": "\\n"}},
+    "lookup_curve_server_secret_key": {"pattern": "^(/.*)?$", "not": {"pattern": "\\n"}},
+    "lookup_curve_allowed_clients": {"pattern": "^(/.*)?$", "not": {"pattern": "\\n"}},
 }
 JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}
 SIZE = {"type": "string", "pattern": "^[0-9]+(\\.[0-9]+)? ?([GMK]?B|[gmk]?b)?$"}

@@ -1,0 +1,121 @@
+"""Lookups sent from vLLM's input thread as a request arrives, and taken over by the client at admission.
+
+Why: vLLM's engine core builds each request, block hashes and all, on its input thread while the model runs,
+and its scheduler sees the request only at the next step. A lookup sent from the input thread has its round
+trip overlap the model step, so its answer is usually in by the first ``schedule()`` that asks: the request is
+not deferred a step for it. A lookup sent at admission (the step's start) cannot be answered in that step.
+
+Threads: :meth:`Arrivals.send` runs on the input thread; everything else on the scheduler's thread. They share
+one dict, under one lock, and the transport's hand-over (a deque append and an eventfd write, safe from any
+thread). The input thread makes the :class:`Lookup` and hands it to the transport; the scheduler's thread
+reads it only once :meth:`Arrivals.take` has taken it out of the dict.
+
+What it must not break (docs/reliability.md, "No stale hit"): a lookup is taken only for the request it was
+made for (same prompt, same generation), and only if it was sent after the last reset was handed over, so the
+server answered it after the wipe. Its answer is then judged as any other: its trust starts at its send.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from mooncake_lookout.connector.lookup import Lookup
+from mooncake_lookout.connector.transport.base import Transport, TransportClosed
+
+_clock = time.perf_counter
+
+
+class Arrivals:
+    """Lookups sent at arrival and not yet taken (at most ``max_pending`` counting the client's open ones)."""
+
+    def __init__(self, transport: Transport, *, timeout_s: float, max_pending: int,
+                 generation: Callable[[], int], open_lookups: Callable[[], int],
+                 breaker_closed: Callable[[], bool]) -> None:
+        self._transport = transport
+        self._timeout_s = timeout_s
+        self._max_pending = max_pending
+        self._generation = generation
+        self._open_lookups = open_lookups
+        self._breaker_closed = breaker_closed
+        self._lock = threading.Lock()
+        self._sent: dict[str, Lookup] = {}  # request id -> its lookup, oldest first
+        self._not_before = float("-inf")  # a lookup sent before this (the last reset's hand-over) is never taken
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self._sent)
+
+    # -- vLLM's input thread ----------------------------------------------------------------------------------
+    def send(self, req_id: str, num_tokens: int, block_hashes: Sequence[bytes],
+             trace_headers: Mapping[str, str] | None = None) -> bool:
+        """Send ``req_id``'s lookup now; False when none is sent (closed, breaker open, at the pending bound)."""
+        if self._closed or not block_hashes or not self._breaker_closed() \
+                or len(self._sent) + self._open_lookups() >= self._max_pending:
+            return False
+        with self._lock:
+            if req_id in self._sent:
+                return False
+        lk = Lookup(req_id, num_tokens, block_hashes, self._transport.name, self._generation(), _clock(),
+                    self._timeout_s, trace_headers)
+        lk.adopted = False
+        lk.t_queued = lk.t_submit
+        try:
+            self._transport.send([lk])  # sets its send time and deadline, then hands it over
+        except TransportClosed:
+            return False
+        with self._lock:  # listed once sent: what the scheduler's thread takes has every field set
+            self._sent[req_id] = lk
+        return True
+
+    # -- the scheduler's thread -------------------------------------------------------------------------------
+    def take(self, req_id: str, num_tokens: int, block_hashes: Sequence[bytes], generation: int) -> Lookup | None:
+        """``req_id``'s lookup if one was sent for this very prompt in this generation since the last reset,
+        else ``None`` (one that does not fit is dropped: its reply will count as late)."""
+        with self._lock:
+            lk = self._sent.pop(req_id, None)
+        if lk is None:
+            return None
+        n = len(block_hashes)
+        if (lk.num_tokens == num_tokens and lk.num_hashes == n and lk.generation == generation
+                and lk.last_hash == block_hashes[n - 1] and (lk.t_start or 0.0) > self._not_before):
+            lk.adopted = True
+            return lk
+        self._transport.forget(lk)
+        return None
+
+    def sweep(self, now: float) -> None:
+        """Drop lookups of requests that never reached the scheduler (aborted first) once past their deadline."""
+        sent = self._sent
+        if not sent:
+            return
+        horizon = now - self._timeout_s
+        with self._lock:
+            stale = [r for r, lk in sent.items() if lk.t_submit < horizon]
+            gone = [sent.pop(r) for r in stale]
+        for lk in gone:
+            self._transport.forget(lk)
+
+    def reset(self) -> None:
+        """A reset was handed over: every lookup sent before it is dropped, now or when it is taken."""
+        self._not_before = _clock()
+        self.sweep(float("inf"))
+
+    def close(self) -> None:
+        """Send nothing more; drop what was sent."""
+        self._closed = True
+        self.sweep(float("inf"))
+
+
+def arrivals_for(client: Any, transport: Transport, *, enabled: bool) -> Arrivals | None:
+    """The client's :class:`Arrivals`, when on and the transport can take a hand-over from any thread."""
+    if not enabled or not getattr(transport, "sends_from_any_thread", False):
+        return None
+    return Arrivals(transport, timeout_s=client.config.timeout_s, max_pending=client.config.lookup_max_pending,
+                    generation=lambda: client.generation, open_lookups=lambda: client.pending,
+                    breaker_closed=lambda: client.breaker.closed)
+
+
+__all__ = ["Arrivals", "arrivals_for"]
