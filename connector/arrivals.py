@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from mooncake_lookout.connector.lookup import Lookup
+from mooncake_lookout.connector.prefix_cache import StoreView
 from mooncake_lookout.connector.transport.base import Transport, TransportClosed
 
 _clock = time.perf_counter
@@ -33,13 +34,14 @@ class Arrivals:
 
     def __init__(self, transport: Transport, *, timeout_s: float, max_pending: int,
                  generation: Callable[[], int], open_lookups: Callable[[], int],
-                 breaker_closed: Callable[[], bool]) -> None:
+                 breaker_closed: Callable[[], bool], store_view: StoreView | None = None) -> None:
         self._transport = transport
         self._timeout_s = timeout_s
         self._max_pending = max_pending
         self._generation = generation
         self._open_lookups = open_lookups
         self._breaker_closed = breaker_closed
+        self._view = store_view
         self._lock = threading.Lock()
         self._sent: dict[str, Lookup] = {}  # request id -> its lookup, oldest first
         self._not_before = float("-inf")  # a lookup sent before this (the last reset's hand-over) is never taken
@@ -51,7 +53,8 @@ class Arrivals:
     # -- vLLM's input thread ----------------------------------------------------------------------------------
     def send(self, req_id: str, num_tokens: int, block_hashes: Sequence[bytes],
              trace_headers: Mapping[str, str] | None = None) -> bool:
-        """Send ``req_id``'s lookup now; False when none is sent (closed, breaker open, at the pending bound)."""
+        """Send ``req_id``'s lookup now, without the blocks the prefix cache knows (as an admission would); False
+        when none is sent (closed, breaker open, at the pending bound, or the cache alone answers it)."""
         if self._closed or not block_hashes or not self._breaker_closed() \
                 or len(self._sent) + self._open_lookups() >= self._max_pending:
             return False
@@ -62,6 +65,10 @@ class Arrivals:
                     self._timeout_s, trace_headers)
         lk.adopted = False
         lk.t_queued = lk.t_submit
+        view = self._view
+        if view is not None and view.cache is not None \
+                and view.plan(lk, num_tokens, lk.t_submit, touch=False) is not None:
+            return False  # the prefix cache answers it at admission, with no round trip
         try:
             self._transport.send([lk])  # sets its send time and deadline, then hands it over
         except TransportClosed:
@@ -115,7 +122,7 @@ def arrivals_for(client: Any, transport: Transport, *, enabled: bool) -> Arrival
         return None
     return Arrivals(transport, timeout_s=client.config.timeout_s, max_pending=client.config.lookup_max_pending,
                     generation=lambda: client.generation, open_lookups=lambda: client.pending,
-                    breaker_closed=lambda: client.breaker.closed)
+                    breaker_closed=lambda: client.breaker.closed, store_view=client.store_view)
 
 
 __all__ = ["Arrivals", "arrivals_for"]

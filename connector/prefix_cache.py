@@ -49,10 +49,12 @@ class PrefixCache:
     def __bool__(self) -> bool:  # an empty cache is still a cache (``client.cache or ()`` reads its size)
         return True
 
-    def known(self, hashes: Sequence[bytes], count: int, now: float) -> tuple[int, float]:
+    def known(self, hashes: Sequence[bytes], count: int, now: float, *, touch: bool = True) -> tuple[int, float]:
         """The longest run of the first ``count`` blocks known present at ``now``, and until when it is known.
 
-        Returns ``(blocks, until)``; ``(0, now)`` when none is.
+        Returns ``(blocks, until)``; ``(0, now)`` when none is. ``touch=False``: read only (from another thread:
+        each read is one dict look-up, atomic; the scheduler's thread may change the cache meanwhile, which only
+        shortens the answer).
         """
         until = self._until
         if count <= 0:
@@ -83,8 +85,11 @@ class PrefixCache:
         if lo == 0:
             return 0, now
         last = hashes[lo - 1]
-        until.move_to_end(last)
-        return lo, until[last]
+        if touch:
+            until.move_to_end(last)
+            return lo, until[last]
+        expiry = until.get(last)
+        return (lo, expiry) if expiry is not None and expiry > now else (0, now)
 
     def add(self, hashes: Sequence[bytes], start: int, end: int, until: float) -> None:
         """Blocks ``[start, end)`` were found present (with blocks before ``start`` known until ``until``): keep every
@@ -166,10 +171,11 @@ class StoreView:
         if self.cache is not None and len(self.cache):
             self._on_clear(reason, self.cache.clear())
 
-    def plan(self, job: Lookup, num_tokens: int, now: float) -> tuple[int, float] | None:
+    def plan(self, job: Lookup, num_tokens: int, now: float, *, touch: bool = True) -> tuple[int, float] | None:
         """Mark the leading blocks of ``job`` the cache knows (the server skips them). Returns ``(hit tokens,
         valid until)`` when every block that can count is known and the epoch was confirmed within
-        ``lookup_prefix_cache_confirm_ms``: the lookup needs no round trip."""
+        ``lookup_prefix_cache_confirm_ms``: the lookup needs no round trip. ``touch=False``: from vLLM's input
+        thread (arrivals.py), reading the cache only; planned as it is sent, its known blocks need no recheck."""
         cache = self.cache
         if cache is None:
             return None
@@ -177,7 +183,7 @@ class StoreView:
         job.countable_blocks = countable
         if countable <= 0 or not self.epoch:  # no epoch from the server yet (or it keeps none): nothing known
             return None
-        known = self._know(job, now)
+        known = self._know(job, now, touch)
         confirm_s = self.config.lookup_prefix_cache_confirm_ms / 1000
         if known < countable or not confirm_s or now - self.confirmed_at > confirm_s:
             return None
@@ -189,11 +195,11 @@ class StoreView:
         if job.known and (job.known_until < now + self._horizon_s or job.epoch != self.epoch):
             self._know(job, now)
 
-    def _know(self, job: Lookup, now: float) -> int:
+    def _know(self, job: Lookup, now: float, touch: bool = True) -> int:
         """The known run of ``job`` that stays trusted until a lookup sent ``now`` is due."""
         cache = self.cache
         known, until = (0, now) if cache is None or not self.epoch else cache.known(
-            job.block_hashes, job.countable_blocks, now + self._horizon_s)
+            job.block_hashes, job.countable_blocks, now + self._horizon_s, touch=touch)
         job.known_blocks = job.known = known
         job.known_until = until if known else float("inf")
         job.epoch = self.epoch or 0

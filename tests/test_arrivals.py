@@ -198,3 +198,22 @@ def test_arrivals_and_admissions_on_two_threads_serve_every_request_its_own_answ
     assert answers == expected
     assert counter.outcomes[Outcome.ERROR] == 0 and counter.outcomes[Outcome.TIMEOUT] == 0
     assert c.pending == 0 and len(c.arrivals) == 0
+
+
+def test_a_lookup_sent_at_arrival_skips_the_blocks_the_prefix_cache_knows(stack, filler) -> None:
+    """Multi-turn: the next turn's lookup, sent from the input thread, asks the store only for the new blocks
+    (the cache is read there, never changed), as one started at admission would."""
+    c, _ = stack()
+    assert c.enable_prefix_cache(BLOCK)
+    turn1 = shared_prefix_workload(1, prefix_blocks=0, unique_blocks=12, seed=18)[0]
+    filler.store_prefixes([turn1.block_hashes])
+    first = c.lookup("t1", 8 * BLOCK + 1, list(turn1.block_hashes[:8]))  # learns 8 blocks
+    assert first is not None and first.hit_length == 8 * BLOCK
+    c.discard("t1")
+    hashes = list(turn1.block_hashes)
+    assert _on_input_thread(lambda: c.arrivals.send("t2", 12 * BLOCK + 1, hashes))
+    _until(lambda: bool(c.transport.news))
+    c.start("t2", 12 * BLOCK + 1, hashes, admission=True)
+    got = c.lookup("t2", 12 * BLOCK + 1, hashes, non_block=True)
+    assert got is not None and got.hit_length == 12 * BLOCK
+    assert got.known_blocks == 8 and got.epoch  # sent with 8 blocks known: the server asked for the last 4 only
