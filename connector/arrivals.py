@@ -85,9 +85,7 @@ class Arrivals:
             lk = self._sent.pop(req_id, None)
         if lk is None:
             return None
-        n = len(block_hashes)
-        if (lk.num_tokens == num_tokens and lk.num_hashes == n and lk.generation == generation
-                and lk.last_hash == block_hashes[n - 1] and (lk.t_start or 0.0) > self._not_before):
+        if lk.asks_for(num_tokens, block_hashes, generation) and (lk.t_start or 0.0) > self._not_before:
             lk.adopted = True
             return lk
         self._transport.forget(lk)

@@ -122,7 +122,7 @@ class LookupClient(Answers, Reporting):
         now = _clock()
         lk = self._lookups.get(req_id)
         if lk is not None:
-            if not self._current(lk, num_tokens, block_hashes):
+            if not lk.asks_for(num_tokens, block_hashes, self.generation):
                 self._drop(lk)
                 lk = None
             elif lk.held:
@@ -192,7 +192,7 @@ class LookupClient(Answers, Reporting):
         request; the lookup may leave at once (the module's docstring says when)."""
         lk = self._lookups.get(req_id)
         if lk is not None:
-            if self._current(lk, num_tokens, block_hashes) and (
+            if lk.asks_for(num_tokens, block_hashes, self.generation) and (
                     not lk.held or self.store_view.untrusted(lk, _clock()) is None):
                 return lk
             self._drop(lk)
@@ -254,12 +254,6 @@ class LookupClient(Answers, Reporting):
         return req_id in self._lookups
 
     # -- internals -----------------------------------------------------------------------------------------
-    def _current(self, lk: Lookup, num_tokens: int, block_hashes: Sequence[bytes]) -> bool:
-        """Is ``lk`` still the lookup for this request: same prompt, same generation?"""
-        n = len(block_hashes)
-        return (lk.num_tokens == num_tokens and lk.num_hashes == n and lk.generation == self.generation
-                and (not n or lk.last_hash == block_hashes[n - 1]))
-
     def _submit(self, req_id: str, num_tokens: int, block_hashes: Sequence[bytes],
                 trace_headers: Mapping[str, str] | None, now: float, *, admission: bool) -> Lookup | None:
         arrivals = self.arrivals

@@ -33,7 +33,7 @@ def request_built(request: Any) -> None:
     try:
         listener(request)
     except Exception:
-        if _log_limit.allow(time.monotonic()):
+        if _log_limit.allow(time.perf_counter()):
             logger.exception("starting a lookup on vLLM's input thread failed (it starts at admission instead)")
 
 

@@ -116,6 +116,12 @@ class Lookup:
         self.deadline = deadline if latest is None or latest > deadline else latest
         self.t_start = now  # last: a reader that sees it sent sees its deadline
 
+    def asks_for(self, num_tokens: int, block_hashes: Sequence[bytes], generation: int) -> bool:
+        """Is this still the lookup for a request with this prompt, in this generation (a reset bumps it)?"""
+        n = len(block_hashes)
+        return (self.num_tokens == num_tokens and self.num_hashes == n and self.generation == generation
+                and (not n or self.last_hash == block_hashes[n - 1]))
+
     def expired(self, now: float) -> bool:
         """True once sent and past its deadline without an answer."""
         deadline = self.deadline
