@@ -137,7 +137,8 @@ class LookupConfig:
         True, "start the lookup when the request arrives (`on_new_request`), not at its first scheduling")
     lookup_on_arrival: bool = _key(
         True, f"async lookups over `{PIPELINED}`: send the lookup from vLLM's input thread as the request is built "
-              "(during the model step), so its answer is usually in by the first `schedule()` that sees it")
+              "(during the model step), so its answer is usually in by the first `schedule()` that sees it (with a "
+              "wait budget too: the socket then lives on an I/O thread)")
     lookup_server_address: str = _key(
         "", f"{PIPELINED} transport: ZMQ address of the lookup server; empty derives a private IPC path "
             "from vLLM's config",

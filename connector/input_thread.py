@@ -37,6 +37,11 @@ def request_built(request: Any) -> None:
             logger.exception("starting a lookup on vLLM's input thread failed (it starts at admission instead)")
 
 
+def available() -> bool:
+    """True when vLLM's engine core can be hooked here (the hook is installed once; nobody listens yet)."""
+    return _install()
+
+
 def listen(listener: Callable[[Any], None]) -> bool:
     """Hand every request built from now on to ``listener`` (replacing any other); False if vLLM's engine core
     cannot be hooked here."""

@@ -25,6 +25,7 @@ how a lookup is started, waited for, timed and forgotten:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -63,6 +64,8 @@ class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
     def __init__(self, vllm_config: Any, kv_cache_config: Any, *, observer: LookupObserver | None = None) -> None:
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         config = LookupConfig.from_extra_config(extra)  # fail on a bad key before anything starts
+        if config.lookup_on_arrival and not input_thread.available():  # no input-thread hook in this vLLM: the
+            config = dataclasses.replace(config, lookup_on_arrival=False)  # transport is chosen for admission sends
         super().__init__(vllm_config, kv_cache_config)
         # Upstream built its own LookupKeyClient; ours replaces it (it never sent anything).
         retire_upstream_client(self.client)

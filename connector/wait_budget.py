@@ -110,23 +110,25 @@ class WaitBudget:
 
     def new_step(self, now: float) -> float:
         """A scheduling step begins: refresh the budget (``auto``: from the round trip and step interval)."""
-        if self._last_step is not None:
-            self.last_interval_s = now - self._last_step
-            self.step_interval_s += 0.2 * (self.last_interval_s - self.step_interval_s)
-        self._last_step = now
+        last, self._last_step = self._last_step, now
+        if last is not None:
+            self.last_interval_s = interval = now - last
+            self.step_interval_s += 0.2 * (interval - self.step_interval_s)
+        if self.fixed_s is not None:  # a fixed budget (0: async lookups that never wait): nothing else to learn
+            self._left_s = self.in_force_s
+            return self.in_force_s
         self._steps += 1
         self._probing = False
         self._waited = False
-        if self.auto:
-            cap = self._cap_s = self.share * self.step_interval_s
-            ran_out = sum(self._ran_out) / len(self._ran_out) if self._ran_out else 0.0
-            if self._p90_s is None and (len(self._ran_out) < LEARN_WAITS or ran_out <= MAX_RAN_OUT):
-                self.in_force_s = cap  # nothing measured yet: wait up to the cap to learn
-            elif self._p90_s is not None and ran_out <= MAX_RAN_OUT:  # a p90 past the cap: most still land in it
-                self.in_force_s = min(self._p90_s + MARGIN_S, cap)
-            else:
-                self._probing = self._steps % PROBE_EVERY == 0
-                self.in_force_s = cap if self._probing else 0.0
+        cap = self._cap_s = self.share * self.step_interval_s
+        ran_out = sum(self._ran_out) / len(self._ran_out) if self._ran_out else 0.0
+        if self._p90_s is None and (len(self._ran_out) < LEARN_WAITS or ran_out <= MAX_RAN_OUT):
+            self.in_force_s = cap  # nothing measured yet: wait up to the cap to learn
+        elif self._p90_s is not None and ran_out <= MAX_RAN_OUT:  # a p90 past the cap: most still land in it
+            self.in_force_s = min(self._p90_s + MARGIN_S, cap)
+        else:
+            self._probing = self._steps % PROBE_EVERY == 0
+            self.in_force_s = cap if self._probing else 0.0
         self._left_s = self.in_force_s
         return self.in_force_s
 

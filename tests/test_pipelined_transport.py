@@ -353,15 +353,20 @@ def test_transport_reset_is_fenced_behind_earlier_lookups(
             transport.close()
 
 
-@pytest.mark.parametrize(("lookup_async", "wait_us", "owner"), [
-    (False, 0, PipelinedTransport), (True, 0, ThreadedPipelinedTransport), (True, 500, PipelinedTransport),
-    (True, "auto", PipelinedTransport)])
-def test_the_socket_lives_where_its_mode_waits(private_dir: Path, lookup_async: bool, wait_us: Any,
+@pytest.mark.parametrize(("lookup_async", "wait_us", "on_arrival", "owner"), [
+    (False, 0, True, PipelinedTransport), (True, 0, True, ThreadedPipelinedTransport),
+    (True, 0, False, ThreadedPipelinedTransport), (True, 500, True, ThreadedPipelinedTransport),
+    (True, "auto", True, ThreadedPipelinedTransport), (True, 500, False, PipelinedTransport),
+    (True, "auto", False, PipelinedTransport)])
+def test_the_socket_lives_where_its_mode_waits(private_dir: Path, lookup_async: bool, wait_us: Any, on_arrival: bool,
                                                owner: type[Transport]) -> None:
-    """docs/architecture.md's rule: only async lookups that never wait hand the socket to an I/O thread. A wait
-    budget reads the socket itself (through the I/O thread its round trip outgrew auto's cap and auto stopped
-    waiting: bench target c1; this failed before, when every async mode got the I/O thread)."""
-    config = LookupConfig(lookup_async=lookup_async, lookup_transport="pipelined", lookup_wait_us=wait_us)
+    """docs/architecture.md's rule: async lookups that never wait, or that leave from vLLM's input thread as
+    requests arrive, hand the socket to an I/O thread; a blocking call, and a wait budget whose lookups leave at
+    admission, read the socket themselves (through the I/O thread, lookups sent at admission had a round trip
+    that outgrew auto's cap and auto stopped waiting: bench target c1). Sent at arrival, the round trip overlaps
+    the model step: the wait budget's rows failed before, when every wait budget kept the caller's socket."""
+    config = LookupConfig(lookup_async=lookup_async, lookup_transport="pipelined", lookup_wait_us=wait_us,
+                          lookup_on_arrival=on_arrival)
     transport = make_transport(config, f"ipc://{private_dir}/s")
     try:
         assert type(transport) is owner
@@ -472,20 +477,20 @@ def test_an_answered_lookup_is_served_before_the_steps_hand_over(
 
 def test_a_lookup_admitted_with_the_socket_on_the_schedulers_thread_leaves_at_once(
         filler: PrefixIndex, index: PrefixIndex) -> None:
-    """With the socket on the scheduler's thread (a blocking lookup, or a wait budget), a lookup started at admission
-    is sent at once, so its round trip runs during the engine's input handling and the running requests' part of
-    schedule(), not after them. Failed before: it waited for the step's first call. The step's first
-    ADMISSION_FRAMES arrivals leave this way; later ones leave together, at the step's hand-over."""
+    """With the socket on the scheduler's thread (a blocking lookup, or a wait budget with ``lookup_on_arrival`` off),
+    a lookup started at admission is sent at once, so its round trip runs during the engine's input handling and the
+    running requests' part of schedule(), not after them. Failed before: it waited for the step's first call. The
+    step's first ADMISSION_FRAMES arrivals leave this way; later ones leave together, at the step's hand-over."""
     from mooncake_lookout.connector.client import ADMISSION_FRAMES
 
     n = ADMISSION_FRAMES + 3
     reqs, expected = _fill(filler, n)
     config = LookupConfig(lookup_async=True, lookup_wait_us="auto", lookup_transport="pipelined",
-                          lookup_timeout_ms=5000)
+                          lookup_timeout_ms=5000, lookup_on_arrival=False)
     with LookupServer(index) as server:
         client = LookupClient(config, make_transport(config, server.address))
         try:
-            assert not client.transport.hands_back  # a wait budget: the socket on the caller's thread
+            assert not client.transport.hands_back  # a wait budget sent at admission: the socket on the caller's
             client.end_step()
             started = [client.start(r.req_id, r.num_tokens, r.block_hashes, admission=True) for r in reqs]
             assert all(lk is not None for lk in started)

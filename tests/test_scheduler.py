@@ -308,11 +308,14 @@ def test_a_prompt_vllm_computed_whole_is_answered_at_once_without_a_lookup(stack
     assert s.client.pending == 0
 
 
-def test_a_request_whose_lookup_left_on_arrival_is_scheduled_with_its_hit_in_its_first_step(stack_factory) -> None:
+@pytest.mark.parametrize("wait_us", [0, 500], ids=["no-wait", "budget"])
+def test_a_request_whose_lookup_left_on_arrival_is_scheduled_with_its_hit_in_its_first_step(stack_factory,
+                                                                                            wait_us: int) -> None:
     """vLLM's input thread builds a request while the model runs; our connector sends its lookup then
-    (``lookup_on_arrival``), so the scheduler's first look at the request finds the answer in: no deferral. The
-    upstream transport has no thread to send it from: its request waits a step for the answer, as before."""
-    s = stack_factory(lookup_async=True, lookup_timeout_ms=5000)
+    (``lookup_on_arrival``, with or without a wait budget), so the scheduler's first look at the request finds the
+    answer in: no deferral. The upstream transport has no thread to send it from: its request waits a step for the
+    answer, as before (with a budget, the step's wait may catch it)."""
+    s = stack_factory(lookup_async=True, lookup_timeout_ms=5000, lookup_wait_us=wait_us)
     prompt = s.prompt(21, 6 * BLOCK_SIZE + 3)
     s.cache(prompt, 4)
     request = s.driver.make_request("early", prompt)
@@ -328,5 +331,21 @@ def test_a_request_whose_lookup_left_on_arrival_is_scheduled_with_its_hit_in_its
     added_at = s.driver.stats.steps
     s.driver.run_until_idle(200)
     assert s.driver.stats.computed_at_admission["early"] == 4 * BLOCK_SIZE
-    assert (s.driver.stats.first_scheduled_step["early"] == added_at) == pipelined
+    if pipelined or not wait_us:
+        assert (s.driver.stats.first_scheduled_step["early"] == added_at) == pipelined
     assert s.counter.deferrals == (0 if pipelined else s.counter.deferrals) and s.client.pending == 0
+
+
+def test_without_vllms_input_thread_hook_a_wait_budget_reads_the_socket_on_the_schedulers_thread(
+        stack_factory, monkeypatch) -> None:
+    """A vLLM whose engine core has no ``preprocess_add_request`` (stood in for by ``available`` saying so: this
+    vLLM has it) cannot send lookups at arrival: the connector says so in its config, and a wait budget keeps the
+    socket on the scheduler's thread, where lookups sent at admission measured best (docs/architecture.md)."""
+    from mooncake_lookout.connector import input_thread
+    from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
+
+    monkeypatch.setattr(input_thread, "available", lambda: False)
+    s = stack_factory(lookup_async=True, lookup_wait_us=500)
+    assert s.client.arrivals is None and not s.client.config.lookup_on_arrival
+    if s.client.transport.name == "pipelined":
+        assert type(s.client.transport) is PipelinedTransport

@@ -87,7 +87,8 @@ def c_block(r: dict[str, Any]) -> list[str]:
     """Scenario (c): vLLM's scheduler, one line per lookup mode."""
     c = r["c"]
     lines = [f"(c) vLLM's scheduler, {c['steps']} steps, {c['arrivals_per_step']} arrivals/step, "
-             f"model step {c['model_step_ms']} ms",
+             f"model step {c['model_step_ms']} ms"
+             + (", each arriving at a random moment of the model step before it" if c.get("arrive_in_step") else ""),
              f"  {'mode':34} {'call p50':>8} {'call p99':>8} {'call max':>8} {'blocked/step':>12} "
              f"{'deferred/req':>12} {'% deferred':>10} {'answer p50 ms':>13} {'reuse':>6}"]
     for m in c["modes"]:

@@ -208,9 +208,9 @@ def _on_the_rig(results: dict[str, Any], sizes: Sizes, chosen: Sequence[str], t_
             step("c", "(c) vLLM's scheduler per lookup mode ...")
             workload = sched.Workload()
             results["c"] = {"steps": sizes.sched_steps, "arrivals_per_step": sched.ARRIVALS_PER_STEP,
-                            "model_step_ms": sched.MODEL_STEP_S * 1e3,
-                            "modes": [sched.run_mode(rig, workload, m, steps=sizes.sched_steps).as_dict()
-                                      for m in _modes(sizes)]}
+                            "model_step_ms": sched.MODEL_STEP_S * 1e3, "arrive_in_step": True,
+                            "modes": [sched.run_mode(rig, workload, m, steps=sizes.sched_steps,
+                                                     arrive_in_step=True).as_dict() for m in _modes(sizes)]}
         if "e" in chosen:
             step("e", "(e) store slowed, then stopped ...")
             results["e"] = fault.run(rig, call_reqs[:sizes.fault_requests], wait_s=sizes.fault_wait_s)

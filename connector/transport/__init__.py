@@ -28,9 +28,10 @@ def make_transport(config: LookupConfig, address: str) -> Transport:
     """The transport ``config.lookup_transport`` names, connected to ``address``."""
     if config.lookup_transport == PIPELINED:
         # Where the socket lives is decided by measurement (docs/architecture.md, "Which thread owns the socket"):
-        # async lookups that never wait hand the socket's work to a thread of its own; a call that waits for its
-        # answer (blocking, or a wait budget) reads the socket itself, with no hand-off between threads.
-        if config.lookup_async and config.lookup_wait_us == 0:
+        # async lookups that never wait, or that leave from vLLM's input thread as requests arrive, hand the
+        # socket's work to a thread of its own; a blocking call, or a wait budget whose lookups leave at admission,
+        # reads the socket itself, with no hand-off between threads.
+        if config.lookup_async and (config.lookup_wait_us == 0 or config.lookup_on_arrival):
             from mooncake_lookout.connector.transport.pipelined_thread import ThreadedPipelinedTransport
 
             return ThreadedPipelinedTransport(address, timeout_s=config.timeout_s, curve=config.client_curve())
