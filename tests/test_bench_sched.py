@@ -70,13 +70,16 @@ def test_arriving_in_the_model_step_hands_each_request_to_the_input_thread_hook_
         prefix_index: PrefixIndex) -> None:
     """(f)'s arrivals, as in a live engine: each request reaches the engine at a moment of the model step before
     the step that admits it (``driver.arrive``, what vLLM's input thread hands the connector), never at a step's
-    start; its answer delay counts from then."""
+    start; its answer delay counts from then. A step's requests arrive one after the other, each handed on as soon
+    as it is built, as vLLM's input thread takes them (this failed before: a step's requests were all built, and
+    hashed, before the first was handed on, so its lookup left late)."""
     events: list[tuple[str, str, int]] = []
 
     def watch(driver: Any) -> None:
-        arrive, add = driver.arrive, driver.add
+        arrive, add, make = driver.arrive, driver.add, driver.make_request
         driver.arrive = lambda r: (events.append(("arrive", r.request_id, driver.stats.steps)), arrive(r))[1]
         driver.add = lambda r: (events.append(("add", r.request_id, driver.stats.steps)), add(r))[1]
+        driver.make_request = lambda rid, *a: (events.append(("build", rid, driver.stats.steps)), make(rid, *a))[1]
 
     with LookupServer(prefix_index) as server:
         run = sched.run_mode(_Rig(prefix_index, server.address), sched.Workload(),
@@ -90,3 +93,6 @@ def test_arriving_in_the_model_step_hands_each_request_to_the_input_thread_hook_
     assert all(added[r] == (0 if arrived[r] == 0 and r in ("q0", "q1") else arrived[r] + 1) for r in arrived)
     assert [events.index(("arrive", r, arrived[r])) < events.index(("add", r, added[r])) for r in arrived] == [True] * 8
     assert len(run.answer_delay) == 8 and min(run.answer_delay) > 0
+    in_step = [(kind, rid) for kind, rid, _ in events
+               if kind in ("build", "arrive") and rid.startswith("q") and rid not in ("q0", "q1")]
+    assert in_step == [(kind, f"q{k}") for k in range(2, 8) for kind in ("build", "arrive")]

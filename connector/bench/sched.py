@@ -274,23 +274,39 @@ def run_mode(rig: Rig, workload: Prompts, m: Mode, *, arrivals_per_step: int = A
         moments = random.Random(first_request)  # when, in the model step, the next step's requests arrive
         came: list[Any] = []  # arrived during the last model step, admitted at this step's start
 
+        def build(k: int) -> Any:
+            request = driver.make_request(*workload.request(k))
+            prompt_len[request.request_id] = request.num_prompt_tokens
+            return request
+
         def arrive(step: int) -> list[Any]:
             nonlocal next_req
             arriving = arrivals_per_step if step % arrival_every == 0 else 0
             # Built (and hashed) before any is added: vLLM's engine builds a Request on its input thread.
-            batch = [driver.make_request(*workload.request(k)) for k in range(next_req, next_req + arriving)]
+            batch = [build(k) for k in range(next_req, next_req + arriving)]
             next_req += arriving
-            for request in batch:
-                prompt_len[request.request_id] = request.num_prompt_tokens
-                if arrive_in_step:
+            if arrive_in_step:  # the first step's: they reached the engine before it
+                for request in batch:
                     driver.arrive(request)
                     arrived[request.request_id] = time.perf_counter()
             return batch
 
-        def arrive_next() -> None:
-            nonlocal came
-            if run.steps + 1 < budget:
-                came = arrive(run.steps + 1)
+        def arrive_one() -> None:
+            """One request reaches the engine during the model step: built, handed on, admitted at the next step."""
+            nonlocal next_req
+            request = build(next_req)
+            next_req += 1
+            driver.arrive(request)
+            arrived[request.request_id] = time.perf_counter()
+            came.append(request)
+
+        def during_model() -> list[tuple[float, Callable[[], None]]]:
+            """The next step's arrivals, each at a moment of its own in this model step (in time order)."""
+            step = run.steps + 1
+            if not arrive_in_step or step >= budget or step % arrival_every:
+                return []
+            return [(offset, arrive_one) for offset in sorted(moments.uniform(0.0, model_step_s)
+                                                              for _ in range(arrivals_per_step))]
 
         t0 = time.perf_counter()
         while run.steps < budget and time.perf_counter() - t0 < limit and not should_stop():
@@ -300,8 +316,7 @@ def run_mode(rig: Rig, workload: Prompts, m: Mode, *, arrivals_per_step: int = A
                 driver.add(request)
                 if not arrive_in_step:
                     arrived[request.request_id] = time.perf_counter()
-            during = (moments.uniform(0.0, model_step_s), arrive_next) if arrive_in_step else None
-            _step(driver, probe, run, pace, during)
+            _step(driver, probe, run, pace, during_model())
             if on_step is not None:
                 on_step(run)
         for request in came:  # arrived in the last model step of a run cut short: admitted, then drained
@@ -408,7 +423,7 @@ class TokenTally(OutcomeCounter):
 
 
 def _step(driver: Any, probe: CallProbe, run: SchedRun, pace: Callable[[SchedRun], None] | None = None,
-          during_model: tuple[float, Callable[[], None]] | None = None) -> None:
+          during_model: Sequence[tuple[float, Callable[[], None]]] = ()) -> None:
     probe.step_blocked = 0.0
     driver.step(during_model)
     run.steps += 1

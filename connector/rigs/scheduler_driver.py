@@ -15,7 +15,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,10 +193,10 @@ class SchedulerDriver:
 
         input_thread.request_built(request)
 
-    def step(self, during_model: tuple[float, Callable[[], None]] | None = None) -> Any:
+    def step(self, during_model: Sequence[tuple[float, Callable[[], None]]] = ()) -> Any:
         """One scheduling step plus a made-up model output of one token per scheduled request. ``during_model``:
-        ``(seconds, call)``, ``call`` made that far into the model step (as vLLM's input thread takes in requests
-        while the model runs)."""
+        ``(seconds, call)`` pairs in time order, each ``call`` made that far into the model step (as vLLM's input
+        thread takes in requests while the model runs)."""
         from vllm.v1.outputs import ModelRunnerOutput
 
         t0 = time.perf_counter()
@@ -206,10 +206,10 @@ class SchedulerDriver:
         for new in out.scheduled_new_reqs:
             self.stats.first_scheduled_step.setdefault(new.req_id, self.stats.steps)
             self.stats.computed_at_admission.setdefault(new.req_id, new.num_computed_tokens)
-        if during_model is not None:
-            offset, call = during_model
-            time.sleep(max(0.0, t1 + offset - time.perf_counter()))
-            call()
+        if during_model:
+            for offset, call in during_model:
+                time.sleep(max(0.0, t1 + offset - time.perf_counter()))
+                call()
             time.sleep(max(0.0, t1 + self.model_step_s - time.perf_counter()))
         elif self.model_step_s > 0:
             time.sleep(self.model_step_s)
