@@ -208,6 +208,7 @@ class LookupPath(RuleBasedStateMachine):
     ttl_ms = TTL_MS
     timeout_ms = TIMEOUT_MS
     caller_thread = False
+    wait_us = 0  # lookup_wait_us: 0, the async default; a budget makes the step's asks wait for answers
 
     def __init__(self) -> None:
         super().__init__()
@@ -218,7 +219,8 @@ class LookupPath(RuleBasedStateMachine):
         self.filler = PrefixIndex(self.world.writer, BLOCK, self.namespace)  # also "another instance"
         self.server = LookupServer(self.index, limits=Limits(max_peer_lookups=MAX_PEER_LOOKUPS)).start()
         self.config = LookupConfig(lookup_async=True, lookup_transport="pipelined", lookup_timeout_ms=self.timeout_ms,
-                                   lookup_answer_ttl_ms=self.ttl_ms, lookup_breaker_failures=1000)
+                                   lookup_answer_ttl_ms=self.ttl_ms, lookup_breaker_failures=1000,
+                                   lookup_wait_us=self.wait_us)
         self.witness = Witness()
         # Production wiring: the transport make_transport builds for this mode (async: the socket on a thread of
         # its own), or, with ``caller_thread``, the one blocking mode uses.
@@ -426,8 +428,9 @@ class LookupPath(RuleBasedStateMachine):
             pass
 
 
-def _machine(world: World, *, restarts: bool, caller_thread: bool = False) -> type[LookupPath]:
-    return type("Path", (LookupPath,), {"world": world, "restarts_allowed": restarts, "caller_thread": caller_thread})
+def _machine(world: World, *, restarts: bool, caller_thread: bool = False, wait_us: int = 0) -> type[LookupPath]:
+    return type("Path", (LookupPath,), {"world": world, "restarts_allowed": restarts, "caller_thread": caller_thread,
+                                        "wait_us": wait_us})
 
 
 # No shrinking: the store's leases run on real time, so a shorter replay of a failure is not the same case.
@@ -443,6 +446,13 @@ def test_no_hit_outlives_its_check_or_the_store_and_busy_clears_nothing(world: W
 def test_no_stale_hit_across_master_restarts_with_the_socket_on_the_callers_thread(world: World) -> None:
     run_state_machine_as_test(_machine(world, restarts=True, caller_thread=True),
                               settings=settings(max_examples=6, stateful_step_count=30, **_SETTINGS))
+
+
+def test_no_stale_hit_with_a_wait_budget_and_lookups_sent_on_arrival(world: World) -> None:
+    """A wait budget's lookups leave from the input thread too (their socket on the I/O thread): the step's asks
+    wait for answers, and the same promise holds."""
+    run_state_machine_as_test(_machine(world, restarts=False, wait_us=2000),
+                              settings=settings(max_examples=12, stateful_step_count=30, **_SETTINGS))
 
 
 
