@@ -279,6 +279,11 @@ def run_mode(rig: Rig, workload: Prompts, m: Mode, *, arrivals_per_step: int = A
             prompt_len[request.request_id] = request.num_prompt_tokens
             return request
 
+        def hand_on(request: Any) -> None:
+            """``request`` reaches the engine: what vLLM's input thread hands the connector once it is built."""
+            driver.arrive(request)
+            arrived[request.request_id] = time.perf_counter()
+
         def arrive(step: int) -> list[Any]:
             nonlocal next_req
             arriving = arrivals_per_step if step % arrival_every == 0 else 0
@@ -287,8 +292,7 @@ def run_mode(rig: Rig, workload: Prompts, m: Mode, *, arrivals_per_step: int = A
             next_req += arriving
             if arrive_in_step:  # the first step's: they reached the engine before it
                 for request in batch:
-                    driver.arrive(request)
-                    arrived[request.request_id] = time.perf_counter()
+                    hand_on(request)
             return batch
 
         def arrive_one() -> None:
@@ -296,8 +300,7 @@ def run_mode(rig: Rig, workload: Prompts, m: Mode, *, arrivals_per_step: int = A
             nonlocal next_req
             request = build(next_req)
             next_req += 1
-            driver.arrive(request)
-            arrived[request.request_id] = time.perf_counter()
+            hand_on(request)
             came.append(request)
 
         def during_model() -> list[tuple[float, Callable[[], None]]]:
