@@ -6,7 +6,7 @@
 * Provisioning (``dashboards/*.json``, the chart's ConfigMaps): nothing is replaced, so no ``${DS_...}`` may be
   left, and every data source reference must be the ``datasource`` variable.
 
-No Grafana server installs here (ANCHORS section 6); the queries of both forms run on a real Prometheus in
+No Grafana server installs here; the queries of both forms run on a real Prometheus in
 tests/test_dashboards_live.py.
 """
 

@@ -38,6 +38,10 @@ SCRAPE_PROTOCOLS = {"PrometheusProto", "OpenMetricsText0.0.1", "OpenMetricsText1
                     "PrometheusText1.0.0"}
 DURATION = re.compile(r"^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$")
 SNIPPET = re.compile(r"<!-- snippet: ([\w-]+) -->\n```(\w+)\n(.*?)\n```", re.S)
+# production-stack keys the guide's prose names (tests/test_docs_drift.py lets docs name them: OUTSIDE).
+PS_KEYS_NAMED = ("lmcacheConfig", "lmcacheConfig.enabled", "servingEngineSpec.modelSpec",
+                 "servingEngineSpec.serviceMonitor.enabled", "vllmConfig.extraArgs", "vllmConfig.v0",
+                 "vllmConfig.enablePrefixCaching")
 NAMES = {"master-values", "store-client-configmap", "production-stack-values", "production-stack-servicemonitor",
          "plain-deployment", "plain-monitors", "prometheusrule"}
 
@@ -123,6 +127,17 @@ def test_production_stack_values_follow_that_charts_schema():
     values["servingEngineSpec"]["modelSpec"][0]["vllmConfig"]["extraArg"] = ["--x"]
     jsonschema.validate(values, schema)
     assert unknown_keys(values, schema) == [".servingEngineSpec.modelSpec[0].vllmConfig.extraArg"]
+
+
+def test_the_production_stack_keys_the_guide_names_are_that_charts():
+    schema = json.loads((PS_CHART / "values.schema.json").read_text())
+    model_spec = schema["properties"]["servingEngineSpec"]["properties"]["modelSpec"]["items"]
+    text = GUIDE.read_text()
+    for key in PS_KEYS_NAMED:
+        assert f"`{key}" in text, key
+        node = schema if key.startswith("servingEngineSpec") else model_spec
+        for part in key.split("."):
+            node = node["properties"][part]  # KeyError: the chart has no such key
 
 
 @pytest.fixture(scope="module")
