@@ -263,6 +263,7 @@ def test_another_connector_gets_no_alert_on_lookout_metrics():
 def test_notes_say_a_prometheus_outside_the_policys_namespace_never_scrapes_the_master():
     notes = chart.render_notes(sets={"networkPolicy.enabled": "true"})
     assert 'reachable from namespace "monitoring" only' in notes and "never scrapes the master" in notes
+    assert "MooncakeMasterNeverScraped fires" in notes
     assert 'up{job="lookout-mooncake-lookout-master"}' in notes
 
 

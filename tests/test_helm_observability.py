@@ -144,10 +144,20 @@ def test_monitoring_objects_without_a_release_label_render_and_notes_name_the_la
     assert chart.template(sets={"monitoring.release": '""'})
 
 
+def rule_file_for_the_release(master_job: str, namespace: str = "serving") -> dict[str, Any]:
+    """The rule file as the chart should render it: MooncakeMasterNeverScraped watches the release's masters."""
+    text = RULES.read_text().replace('up{job="mooncake-master"}', f'up{{namespace="{namespace}", job="{master_job}"}}')
+    return yaml.safe_load(text)
+
+
 def test_prometheus_rule_is_the_rule_file(default):
     rule = chart.one(default, "PrometheusRule")
     assert rule["apiVersion"] == CRD_API and set(rule["spec"]) == {"groups"}
-    source = yaml.safe_load(RULES.read_text())
+    # The master job the rule watches is the one the master's monitor gives its targets.
+    monitor = chart.one(default, "PodMonitor", "-master")
+    master_job = monitor["spec"]["podMetricsEndpoints"][0]["relabelings"][-1]["replacement"]
+    source = rule_file_for_the_release(master_job)
+    assert source != yaml.safe_load(RULES.read_text())
     assert rule["spec"] == source  # the default watermark is the rule file's own (Mooncake's default)
     for group in rule["spec"]["groups"]:
         assert group["name"] and group["rules"]
@@ -164,7 +174,7 @@ def test_runbook_base_url_adds_a_link_to_each_alert_and_changes_nothing_else():
     base = "https://runbooks.example.com/mooncake-lookout/runbook.md"
     objects = with_crds(sets={"monitoring.prometheusRule.runbookBaseUrl": json.dumps(base)})
     rendered = chart.one(objects, "PrometheusRule")["spec"]
-    source = yaml.safe_load(RULES.read_text())
+    source = rule_file_for_the_release("lookout-mooncake-lookout-master")
     urls = []
     for got_group, want_group in zip(rendered["groups"], source["groups"], strict=True):
         for got, want in zip(got_group["rules"], want_group["rules"], strict=True):
