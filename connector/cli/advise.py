@@ -21,6 +21,7 @@ from typing import Any, TextIO
 
 from mooncake_lookout.connector.cli.advise_prom import AdviseError, Figures, read_figures, window_seconds
 from mooncake_lookout.connector.cli.advise_rules import Advice, Costs, InForce, decide, settings
+from mooncake_lookout.connector.cli.prom_http import Access, add_access_args
 from mooncake_lookout.connector.plugin import CONNECTOR_NAME
 
 HELM_LOOKUP_PATH = ("engine", "connector", "lookup")  # helm/mooncake-lookout/values.yaml
@@ -39,7 +40,6 @@ def add_advise_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``advise`` subcommand; returns its parser."""
     p = subparsers.add_parser("advise", help="advise lookup_async, lookup_wait_us and bounds from live metrics",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("--prometheus", required=True, metavar="URL", help="Prometheus base URL, e.g. http://127.0.0.1:9090")
     p.add_argument("--selector", default="{}", metavar="'{LABEL=\"VALUE\",...}'",
                    help="label matchers of the deployment to advise, e.g. '{namespace=\"prod\",model_name=\"m\"}' "
                         "(default: every series)")
@@ -47,6 +47,7 @@ def add_advise_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="how far back to look (a Prometheus duration; default 1h)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the report")
     p.add_argument("--timeout-s", type=float, default=10.0, help="deadline of one Prometheus query (default 10)")
+    add_access_args(p, required=True)
     p.set_defaults(func=run_advise)
     return p
 
@@ -146,7 +147,7 @@ def run_advise(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
     try:
-        figures = read_figures(args.prometheus, args.selector, args.window, args.timeout_s)
+        figures = read_figures(Access.from_args(args), args.selector, args.window, args.timeout_s)
         now, costs, advice = decide(figures)
     except (AdviseError, ValueError) as e:
         err.write(f"mooncake-lookout advise: {e}\n")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from mooncake_lookout.connector.bench.fleet_model import Load, Model, from_runs, project
+from mooncake_lookout.connector.cli.prom_http import Access, add_access_args
 
 KINDS = ("shared-prefix", "multi-turn")
 # Scenario (h) of each committed run (docs/bench/run-N.json), shipped as package data so that `size` answers from an
@@ -45,8 +46,9 @@ def add_size_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--runs", type=Path, default=None, metavar="PATH",
                    help="the measured model: a bench.json of `bench --only h`, or a folder of run-N.json (default: "
                         "the committed runs docs/bench/run-N.json, shipped with the package)")
-    live = p.add_argument_group("a live deployment (instead of --engines/--rate/--blocks/--workload)")
-    live.add_argument("--prometheus", metavar="URL", help="Prometheus base URL, e.g. http://127.0.0.1:9090")
+    add_access_args(p, required=False)
+    live = p.add_argument_group("a live deployment, with --prometheus (instead of --engines/--rate/--blocks/"
+                                "--workload)")
     live.add_argument("--selector", default="{}", help="label matchers of the engines' series (default: every one)")
     live.add_argument("--master-selector", default="{}", help="label matchers of the master's series (default: any)")
     live.add_argument("--window", default="1h", help="how far back to look (a Prometheus duration; default 1h)")
@@ -144,7 +146,8 @@ def _projected(args: argparse.Namespace, model: Model) -> dict[str, Any]:
 def _live(args: argparse.Namespace, model: Model) -> dict[str, Any]:
     from mooncake_lookout.connector.cli.size_prom import read_live
 
-    live = read_live(args.prometheus, args.selector, args.master_selector, args.window, block_size=args.block_size)
+    live = read_live(Access.from_args(args), args.selector, args.master_selector, args.window,
+                     block_size=args.block_size)
     call_us = {c: model.shapes[args.workload][c].per_call_us if args.workload else model.per_call_us
                for c in ("ours", "upstream")}
     ours_us = live.calls_per_lookup * call_us["ours"] + live.keys_per_lookup * model.per_key_us
