@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from mooncake_lookout.connector.rigs.master import EmbeddedMaster
 from mooncake_lookout.connector.rigs.processes import stop_process
@@ -264,11 +265,16 @@ def test_size_and_advise_read_through_tls_client_certificates_and_basic_auth(sta
     assert done.returncode == 0, done.stderr
     live = json.loads(done.stdout)["live"]
     assert live["engines"] == 1 and live["lookups_per_s"] > 0 and live["master_calls_per_s"] > 0
-    advised = _tool(*ADVISE, *stack.tls(), *stack.basic())
+    values = stack.workdir / "advised-values.yaml"
+    advised = _tool(*ADVISE, *stack.tls(), *stack.basic(), "--write-values", str(values))
     assert advised.returncode == 0, advised.stderr
     answer = json.loads(advised.stdout)
     assert answer["in_force"]["mode"] == "sync" and answer["costs"]["lookups"] > 0
     assert {a["key"] for a in answer["advice"]} >= {"lookup_async", "lookup_timeout_ms"}
+    # --write-values: the Helm values of the same advice, for `helm upgrade --reuse-values -f FILE`
+    assert f"wrote the advised values to {values}" in advised.stderr
+    written = yaml.safe_load(values.read_text())["engine"]["connector"]["lookup"]
+    assert written == answer["kv_transfer_config"]["kv_connector_extra_config"]
 
 
 @pytest.mark.parametrize("tool", [SIZE, ADVISE], ids=["size", "advise"])

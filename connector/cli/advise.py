@@ -5,7 +5,8 @@ scheduler spent in lookups per step, outcomes, breaker, pending and held against
 interval; vLLM's own TTFT, queue time and inter-token latency when they are there), prints the mode in
 force, what it costs per step and per request, the advised ``lookup_async``, ``lookup_wait_us``,
 ``lookup_timeout_ms`` and bounds each with the figures behind it (the rules: :mod:`.advise_rules`), and
-ready fragments for ``vllm serve --kv-transfer-config`` and for the Helm chart's values.
+ready fragments for ``vllm serve --kv-transfer-config`` and for the Helm chart's values; ``--write-values FILE``
+writes the latter as the file ``helm upgrade --reuse-values -f FILE`` takes.
 
 Exit codes: 0 advice printed; 2 Prometheus unreachable or a query rejected (bad ``--selector``); 3 no
 lookup series under the selector (or several configurations); 4 too little traffic in the window.
@@ -46,6 +47,8 @@ def add_advise_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--window", type=_window, default="1h",
                    help="how far back to look (a Prometheus duration; default 1h)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the report")
+    p.add_argument("--write-values", metavar="FILE", help="also write the advised settings as a Helm values file "
+                   "(engine.connector.lookup) for `helm upgrade RELEASE CHART --reuse-values -f FILE`")
     p.add_argument("--timeout-s", type=float, default=10.0, help="deadline of one Prometheus query (default 10)")
     add_access_args(p, required=True)
     p.set_defaults(func=run_advise)
@@ -63,6 +66,17 @@ def helm_values(extra: dict[str, Any]) -> str:
     indent = "  " * len(HELM_LOOKUP_PATH)
     lines += [f"{indent}{k}: {json.dumps(v)}" for k, v in extra.items()]
     return "\n".join(lines) + "\n"
+
+
+def values_file(f: Figures, advice: list[Advice]) -> str:
+    """What ``--write-values`` writes: where the advice comes from, what changed, how to apply it; the values."""
+    changed = [f"{a.key} {json.dumps(_plain(a.current))} -> {json.dumps(_plain(a.value))}" for a in advice if a.changed]
+    header = [f"# mooncake-lookout advise: the last {f.window} of {f.selector} at {f.url}",
+              f"# changed: {'; '.join(changed) or 'nothing (every setting kept)'}",
+              "# apply: helm upgrade RELEASE CHART -n NAMESPACE --reuse-values -f THIS_FILE, then run advise again",
+              "# with a --window that starts after the rollout"]
+    extra = {k: _plain(v) for k, v in settings(advice).items()}
+    return "\n".join(header) + "\n" + helm_values(extra)
 
 
 def _plain(value: Any) -> Any:
@@ -152,6 +166,15 @@ def run_advise(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
     except (AdviseError, ValueError) as e:
         err.write(f"mooncake-lookout advise: {e}\n")
         return e.code if isinstance(e, AdviseError) else 2
+    if args.write_values:
+        try:
+            with open(args.write_values, "w", encoding="utf-8") as file:
+                file.write(values_file(figures, advice))
+        except OSError as e:
+            err.write(f"mooncake-lookout advise: cannot write {args.write_values}: {e.strerror or e}\n")
+            return 2
+        err.write(f"advise: wrote the advised values to {args.write_values}: helm upgrade RELEASE CHART -n "
+                  f"NAMESPACE --reuse-values -f {args.write_values}\n")
     if args.json:
         out.write(json.dumps(as_json(figures, now, costs, advice), indent=2) + "\n")
     else:
@@ -160,4 +183,4 @@ def run_advise(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
 
 
 __all__ = ["HELM_LOOKUP_PATH", "add_advise_parser", "as_json", "helm_values", "kv_transfer_config", "report",
-           "run_advise"]
+           "run_advise", "values_file"]
