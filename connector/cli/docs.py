@@ -19,7 +19,8 @@ this module rewrites each (or, with ``--check``, lists the stale ones and exits 
   files, :mod:`~mooncake_lookout.connector.bench.records`, rendered by
   :mod:`~mooncake_lookout.connector.bench.doc_tables`): ``socket-choice`` (docs/architecture.md),
   ``bench-guarantees`` (docs/reliability.md),
-  ``bench-source``, ``bench-modes``, ``bench-figures`` and ``bench-multi-turn`` (docs/tuning.md), ``bench-runs``,
+  ``bench-source``, ``bench-took``, ``bench-modes``, ``bench-figures``, ``bench-multi-turn`` (docs/tuning.md),
+  ``bench-runs``,
   ``bench-targets``, ``bench-targets-per-run``, ``bench-scenarios``, ``bench-reports`` and ``bench-fleet``
   (docs/bench-results.md), ``bench-sizing`` (docs/operations.md) and ``bench-fleet-helm`` (docs/helm.md), the last
   three by :mod:`~mooncake_lookout.connector.bench.doc_fleet`.
@@ -327,6 +328,7 @@ BLOCKS: tuple[Block, ...] = (
           lambda root: record.render_sink_cost(record.load_recorded(root, record.SINK_COST_FILE))),
     Block("docs/reliability.md", "bench-guarantees", _bench(doc_tables.render_guarantees)),
     Block("docs/tuning.md", "bench-source", _bench(lambda runs: doc_tables.runs_note(runs) + "\n")),
+    Block("docs/tuning.md", "bench-took", _bench(doc_tables.render_bench_took)),
     Block("docs/tuning.md", "bench-modes", _bench(doc_tables.render_modes)),
     Block("docs/tuning.md", "bench-figures", _bench(doc_tables.render_tuning_figures)),
     Block("docs/tuning.md", "bench-multi-turn", _bench(doc_tables.render_multi_turn)),
