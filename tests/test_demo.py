@@ -109,13 +109,13 @@ def test_short_demo_prints_the_table_serves_metrics_and_exits_cleanly(demo_facto
     url = demo.wait_for(r"^metrics: (http://127\.0\.0\.1:\d+/metrics)$").group(1)
     pids = demo.wait_for(r"Mooncake master pid (\d+) .* lookup servers pid (\d+)")
     master_pid, servers_pid = int(pids.group(1)), int(pids.group(2))
+    demo.wait_for(r"^prefix cache: off in this run .* --workload multi-turn shows the cache on$")
     assert os.path.exists(f"/proc/{master_pid}")
 
     demo.wait_for(r"^\[ours async ")  # our client's run is on: /metrics answers with our families
     during = scrape(url)
     assert f"# TYPE {catalogue.REQUESTS.sample_names[0]} counter" in during
 
-    demo.wait_for(r"^prefix cache: off in this run .* --workload multi-turn shows the cache on$")
     head = demo.wait_for(r"^mode +requests +steps/s .*hit ratio$").group(0)
     rows = {m: demo.wait_for(rf"^{m} +\d.*").group(0).split()[2:] for m in FIVE}
     for m, fields in rows.items():
