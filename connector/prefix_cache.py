@@ -32,6 +32,8 @@ from collections.abc import Callable, Sequence
 from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.lookup import Lookup
 
+# What the prefix cache is doing (the ``state`` label of prefix_cache_state, metrics/catalogue.py).
+ON, OFF, UNPROVEN = "on", "off", "unproven"
 STRIDE = 16  # a found run keeps the hash of every 16th block, and of every block of its last, partial stride
 
 
@@ -130,7 +132,8 @@ class StoreView:
     server served them as a hit after another instance's wipe. Everything else runs on the scheduler's thread.
     """
 
-    def __init__(self, config: LookupConfig, on_clear: Callable[[str, int], None]) -> None:
+    def __init__(self, config: LookupConfig, on_clear: Callable[[str, int], None],
+                 on_state: Callable[[str], None] | None = None) -> None:
         self.config = config
         self.block_size = 0
         # (epoch, cache): None until an answer names an epoch; the cache None while off. Replaced whole, never
@@ -139,6 +142,8 @@ class StoreView:
         self.confirmed_at = float("-inf")  # when the request of the latest answer naming the epoch was sent
         self.stale_before = float("-inf")  # answers that came before this are not served (a wipe, or a doubt)
         self._on_clear = on_clear
+        self._on_state = on_state
+        self.state = OFF  # ON, OFF or UNPROVEN (:meth:`_changed`)
         self._ttl_s = config.answer_ttl_s
         # Known blocks are skipped only while they stay trusted this long after the send: up to the lookup's
         # deadline, or half the trust window if that is shorter (an answer that outlives them is asked again).
@@ -154,11 +159,27 @@ class StoreView:
         """The prefix cache of the current epoch, when on."""
         return self.known_in[1]
 
+    @property
+    def proven(self) -> bool:
+        """True while the latest answer named a store epoch: the server keeps one only once the master's lease is
+        known to cover ``lookup_answer_ttl_ms`` (server/lease.py). Until then no hit is held (answers.py)."""
+        return bool(self.known_in[0])
+
+    def _changed(self) -> None:
+        """Tell ``on_state`` when the state changes: off (no cache), on (an epoch), unproven (a cache, no epoch)."""
+        epoch, cache = self.known_in
+        state = OFF if cache is None else ON if epoch else UNPROVEN
+        if state != self.state:
+            self.state = state
+            if self._on_state is not None:
+                self._on_state(state)
+
     def enable(self, block_size: int) -> bool:
         """Cache found blocks (``lookup_prefix_cache_blocks`` of them) of ``block_size`` tokens each."""
         if self.config.lookup_prefix_cache_blocks > 0 and block_size > 0:
             self.block_size = block_size  # before the cache is published: a reader that sees it sees this
             self.known_in = (self.known_in[0], PrefixCache(self.config.lookup_prefix_cache_blocks))
+            self._changed()
         return self.cache is not None
 
     def heard(self, epoch: int, sent_at: float, received: float) -> None:
@@ -176,6 +197,8 @@ class StoreView:
             if old and cache is not None and len(cache):
                 self._on_clear("epoch", cache.clear())
             self.confirmed_at = sent_at
+            if not old or not epoch:
+                self._changed()
         elif sent_at > self.confirmed_at:
             self.confirmed_at = sent_at
 
@@ -262,4 +285,4 @@ class StoreView:
             cache.add(job.block_hashes, known, found, self.valid_until(job))
 
 
-__all__ = ["PrefixCache", "StoreView"]
+__all__ = ["OFF", "ON", "PrefixCache", "STRIDE", "StoreView", "UNPROVEN"]
