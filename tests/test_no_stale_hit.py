@@ -21,6 +21,7 @@ replayed as plain tests at the end of this file.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -60,6 +61,10 @@ TTL_MS = 250  # lookup_answer_ttl_ms: the load keeps at least LEASE_MS - TTL_MS
 TIMEOUT_MS = 100  # lookup_timeout_ms
 MAX_PEER_LOOKUPS = 3  # the server's per-peer bound: past it, a frame is turned away (busy, or bad_request alone)
 WAITS_MS = (0, 40, 100, 170)  # in steps of the trust window (TTL_MS), so that turns straddle it
+SPLITS = ("heard", "reset_elsewhere", "restart", "reset_here")  # what splits an arrival's cache read and epoch stamp
+# Examples run x this (HYPOTHESIS_EXAMPLES_SCALE=3: three times CI's); the profile (tests/conftest.py) is CI's
+# derandomized one unless HYPOTHESIS_PROFILE says otherwise.
+SCALE = float(os.environ.get("HYPOTHESIS_EXAMPLES_SCALE", "1"))
 
 
 class RecordingStore:
@@ -295,6 +300,65 @@ class LookupPath(RuleBasedStateMachine):
             thread.start()
             thread.join(5.0)
 
+    @rule(kind=st.sampled_from(SPLITS), conversation=st.sampled_from((0, 0, 1)), new_blocks=st.integers(1, 3),
+          pick=st.integers(0, 63))
+    def split_arrival(self, kind: str, conversation: int, new_blocks: int, pick: int) -> None:
+        """A turn arrives and vLLM's input thread plans its lookup (reads the prefix cache), and between that read
+        and the epoch stamp the scheduler's thread runs: it takes in a reply naming a new epoch (issue 49, item 1).
+        ``heard``: another instance wiped the store just before the arrival and the reply tells of it during the
+        split; ``reset_elsewhere``: another instance's wipe happens during the split, then a reply tells of it;
+        ``restart``: the master restarted just before the arrival (restarted from this thread: the master dies with
+        the thread that started it), the reply after it comes during the split; ``reset_here``: this instance's
+        reset on the scheduler's thread. Forced: a hook on the cache read runs the scheduler's thread to its end
+        (real threads). The request is admitted at the next step, as the step rule's arrivals are; ``_check_hit``
+        judges whatever is served."""
+        arrivals, cache = self.client.arrivals, self.client.cache
+        if arrivals is None or cache is None:
+            return
+        if kind == "restart" and (not self.restarts_allowed or self.restarted):
+            kind = "reset_elsewhere"
+        turn = self._new_request(conversation, 1)  # the conversation's last turn: its answer teaches the cache
+        self.waiting.remove(turn)
+        self._ask(turn, non_block=False)
+        self.client.discard(turn.req_id)
+        if kind == "heard":
+            self._reset_elsewhere(pick)
+        elif kind == "restart":
+            self._restart(pick)
+        req = self._new_request(conversation, new_blocks)
+        self.waiting.remove(req)
+        read, split = cache.known, []
+
+        def scheduler_thread() -> None:
+            if kind == "reset_elsewhere":
+                self._reset_elsewhere(pick)
+            elif kind == "restart":
+                self.world.wait_writable()  # the store clients reconnect: the next reply names a new epoch
+            elif kind == "reset_here":
+                self._reset_here(pick)
+            self._ask(self._new_request(2, 1), non_block=False)  # a reply, naming the store's epoch, is taken in
+
+        def hooked(*args: Any, **kwargs: Any) -> Any:
+            out = read(*args, **kwargs)
+            if threading.current_thread().name == "input" and not split:
+                split.append(True)
+                other = threading.Thread(target=scheduler_thread, name="scheduler")
+                other.start()
+                other.join(60.0)
+            return out
+
+        cache.known = hooked  # type: ignore[method-assign]
+        try:
+            thread = threading.Thread(target=lambda: arrivals.send(req.req_id, req.num_tokens, req.hashes),
+                                      name="input")
+            thread.start()
+            thread.join(60.0)
+        finally:
+            del cache.known  # the instance's hook: the class's method again
+        if not split:  # nothing known to read (a new conversation, or nothing cached): the split did not happen
+            scheduler_thread()
+        self.arrived.append(req)
+
     @rule(pick=st.integers(0, 63))
     def ask_blocking(self, pick: int) -> None:
         """vLLM with ``lookup_async`` off asks about one request and waits for its answer (nothing, when no request
@@ -438,21 +502,33 @@ _SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck), report_
                  phases=(Phase.explicit, Phase.reuse, Phase.generate))
 
 
+def _examples(n: int) -> int:
+    return max(1, round(n * SCALE))
+
+
 def test_no_hit_outlives_its_check_or_the_store_and_busy_clears_nothing(world: World) -> None:
     run_state_machine_as_test(_machine(world, restarts=False),
-                              settings=settings(max_examples=60, stateful_step_count=30, **_SETTINGS))
+                              settings=settings(max_examples=_examples(60), stateful_step_count=30, **_SETTINGS))
 
 
 def test_no_stale_hit_across_master_restarts_with_the_socket_on_the_callers_thread(world: World) -> None:
     run_state_machine_as_test(_machine(world, restarts=True, caller_thread=True),
-                              settings=settings(max_examples=6, stateful_step_count=30, **_SETTINGS))
+                              settings=settings(max_examples=_examples(6), stateful_step_count=30, **_SETTINGS))
 
 
 def test_no_stale_hit_with_a_wait_budget_and_lookups_sent_on_arrival(world: World) -> None:
     """A wait budget's lookups leave from the input thread too (their socket on the I/O thread): the step's asks
     wait for answers, and the same promise holds."""
     run_state_machine_as_test(_machine(world, restarts=False, wait_us=2000),
-                              settings=settings(max_examples=12, stateful_step_count=30, **_SETTINGS))
+                              settings=settings(max_examples=_examples(12), stateful_step_count=30, **_SETTINGS))
+
+
+def test_no_stale_hit_when_an_arrivals_cache_read_and_epoch_stamp_are_split_by_a_restart(world: World) -> None:
+    """Lookups sent on arrival (the socket on the I/O thread) with master restarts allowed, so ``split_arrival``
+    draws every kind, the restart included: the old client served the old epoch's blocks as a hit after the
+    wipe (the rule's cases; the plain test of tests/test_prefix_cache.py forces the same split once)."""
+    run_state_machine_as_test(_machine(world, restarts=True),
+                              settings=settings(max_examples=_examples(10), stateful_step_count=30, **_SETTINGS))
 
 
 
