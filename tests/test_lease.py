@@ -152,7 +152,7 @@ def test_the_probe_stops_retrying_on_close(private_master: Any) -> None:
     finally:
         server.close()
         server_store.close()
-    assert server.lease_probe is not None and not server.lease_probe._thread.is_alive()
+    assert server.lease_probe is not None and not server.lease_probe.running
 
 
 def _serve(*args: str, bound_s: float = 60.0) -> subprocess.CompletedProcess[str]:
