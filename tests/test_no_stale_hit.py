@@ -213,6 +213,7 @@ class LookupPath(RuleBasedStateMachine):
     ttl_ms = TTL_MS
     timeout_ms = TIMEOUT_MS
     caller_thread = False
+    probe_lease = False  # the server probes the lease for the window (as in vLLM's worker and serve), or trusts it
     wait_us = 0  # lookup_wait_us: 0, the async default; a budget makes the step's asks wait for answers
 
     def __init__(self) -> None:
@@ -222,7 +223,8 @@ class LookupPath(RuleBasedStateMachine):
         self.store = RecordingStore(self.world.server_store)
         self.index = PrefixIndex(self.store, BLOCK, self.namespace)
         self.filler = PrefixIndex(self.world.writer, BLOCK, self.namespace)  # also "another instance"
-        self.server = LookupServer(self.index, limits=Limits(max_peer_lookups=MAX_PEER_LOOKUPS)).start()
+        self.server = LookupServer(self.index, limits=Limits(max_peer_lookups=MAX_PEER_LOOKUPS),
+                                   lease_window_s=self.ttl_ms / 1000 if self.probe_lease else None).start()
         self.config = LookupConfig(lookup_async=True, lookup_transport="pipelined", lookup_timeout_ms=self.timeout_ms,
                                    lookup_answer_ttl_ms=self.ttl_ms, lookup_breaker_failures=1000,
                                    lookup_wait_us=self.wait_us)
@@ -239,6 +241,7 @@ class LookupPath(RuleBasedStateMachine):
         self.arrived: list[Request] = []  # their lookups sent from the input thread, admitted at the next step
         self.faults = 0  # own resets, other wipes, pauses, restarts: what may justify a clear or a drop
         self.served = 0
+        self.hits_served: dict[int, Any] = {}  # id -> each result served as a hit (kept: ids stay unique)
         self.restarted = False
         self._ids = 0
 
@@ -445,6 +448,10 @@ class LookupPath(RuleBasedStateMachine):
             return
         req.answered = result.hit_length
         if result.hit_length:
+            if self.probe_lease:  # the lease unproven: a hit is served once, to the call that takes it in
+                assert self.hits_served.get(id(result)) is not result, (
+                    f"{req.req_id}'s hit served again from hold, the master's lease unproven")
+                self.hits_served[id(result)] = result
             self.served += 1
             self._check_hit(req, result.hit_length, asked)
 
@@ -464,7 +471,8 @@ class LookupPath(RuleBasedStateMachine):
             removed = self.truth.removed.get(key)
             assert removed is not None, f"block {i} of {req.req_id} was never put, yet served as a hit"
             began, ended, how = removed
-            told = [sent for sent in self.witness.store_answers if sent > ended]
+            # Without a store epoch (the lease unproven) no reply can tell of a wipe: as with upstream's client.
+            told = [sent for sent in self.witness.store_answers if sent > ended] if not self.probe_lease else []
             # Allowed only for a wipe by someone else that may have come after the check, before any reply to a
             # request sent after it reached the client: nothing could have told the client yet.
             assert how == "wipe" and began in self.truth.wipes and found < ended and not told, (
@@ -472,6 +480,13 @@ class LookupPath(RuleBasedStateMachine):
                 f"{'another instance' if began in self.truth.wipes else 'this one'} {asked - began:.3f} s before, "
                 f"{began - found:.3f} s after the check that found it; "
                 f"{len(told)} lookups sent since were answered by the store")
+
+    @invariant()
+    def an_unproven_lease_caches_nothing(self) -> None:
+        """With a window the lease cannot cover, the server's probe refuses it: no epoch is ever named, so the
+        client caches no block (and holds no hit: ``_ask``)."""
+        if self.probe_lease:
+            assert not self.client.store_view.epoch and len(self.client.cache or ()) == 0
 
     @invariant()
     def overload_is_not_a_wipe(self) -> None:
@@ -492,9 +507,10 @@ class LookupPath(RuleBasedStateMachine):
             pass
 
 
-def _machine(world: World, *, restarts: bool, caller_thread: bool = False, wait_us: int = 0) -> type[LookupPath]:
+def _machine(world: World, *, restarts: bool, caller_thread: bool = False, wait_us: int = 0,
+             ttl_ms: int = TTL_MS, probe_lease: bool = False) -> type[LookupPath]:
     return type("Path", (LookupPath,), {"world": world, "restarts_allowed": restarts, "caller_thread": caller_thread,
-                                        "wait_us": wait_us})
+                                        "wait_us": wait_us, "ttl_ms": ttl_ms, "probe_lease": probe_lease})
 
 
 # No shrinking: the store's leases run on real time, so a shorter replay of a failure is not the same case.
@@ -520,6 +536,15 @@ def test_no_stale_hit_with_a_wait_budget_and_lookups_sent_on_arrival(world: Worl
     """A wait budget's lookups leave from the input thread too (their socket on the I/O thread): the step's asks
     wait for answers, and the same promise holds."""
     run_state_machine_as_test(_machine(world, restarts=False, wait_us=2000),
+                              settings=settings(max_examples=_examples(12), stateful_step_count=30, **_SETTINGS))
+
+
+def test_a_window_above_the_lease_is_refused_and_no_hit_outlives_what_is_proven(world: World) -> None:
+    """lookup_answer_ttl_ms 700 ms over the master's 600 ms lease, the server probing it as vLLM's worker does: the
+    probe refuses it (no store epoch), and the client caches nothing and serves each hit once, never from hold
+    (the old client held hits for the whole 700 ms: served from hold past the lease, after their blocks could be
+    evicted)."""
+    run_state_machine_as_test(_machine(world, restarts=False, ttl_ms=LEASE_MS + 100, probe_lease=True),
                               settings=settings(max_examples=_examples(12), stateful_step_count=30, **_SETTINGS))
 
 

@@ -165,6 +165,11 @@ class LeaseProbe:
         self._on_ok()
         self._set(ON)
 
+    @property
+    def running(self) -> bool:
+        """True while the probe's thread runs (probing, or waiting to try again)."""
+        return self._thread.is_alive()
+
     def join(self, timeout_s: float | None = None) -> None:
         """Wait for the verdict (at most the window plus a few store calls, once the probe can run)."""
         self._thread.join(timeout_s)
