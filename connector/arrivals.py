@@ -8,7 +8,10 @@ not deferred a step for it. A lookup sent at admission (the step's start) cannot
 Threads: :meth:`Arrivals.send` runs on the input thread; everything else on the scheduler's thread. They share
 one dict, under one lock, and the transport's hand-over (a deque append and an eventfd write, safe from any
 thread). The input thread makes the :class:`Lookup` and hands it to the transport; the scheduler's thread
-reads it only once :meth:`Arrivals.take` has taken it out of the dict.
+reads it only once :meth:`Arrivals.take` has taken it out of the dict. The input thread also reads the prefix
+cache, as one ``(epoch, cache)`` snapshot (:class:`StoreView`): the blocks it marks known carry the epoch they
+were found in, whatever the scheduler's thread hears meanwhile; the generation is read before it, so a reset
+in between is caught at :meth:`Arrivals.take`.
 
 What it must not break (docs/reliability.md, "No stale hit"): a lookup is taken only for the request it was
 made for (same prompt, same generation), and only if it was sent after the last reset was handed over, so the

@@ -45,6 +45,7 @@ class LookupObserver(Protocol):
     def step_ended(self, wait_budget_s: float, held: int, cached_blocks: int,
                    interval_s: float | None = None) -> None: ...
     def cache_cleared(self, reason: str, blocks: int) -> None: ...
+    def prefix_cache_state(self, state: str) -> None: ...
 
 
 class NullObserver:
@@ -91,6 +92,10 @@ class NullObserver:
     def cache_cleared(self, reason: str, blocks: int) -> None:
         """The prefix cache forgot ``blocks`` blocks: ``reset``, ``epoch`` (the store was wiped, by anyone)
         or ``failure`` (a lookup failed: the master may have restarted)."""
+
+    def prefix_cache_state(self, state: str) -> None:
+        """The prefix cache turned ``on`` (the server named a store epoch), ``off`` or ``unproven`` (a cache, but
+        no epoch: nothing is cached and no hit held until the server shows the master's lease covers the ttl)."""
 
 
 def events_of(base: type) -> tuple[str, ...]:

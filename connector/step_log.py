@@ -109,6 +109,11 @@ class Reporting:
         if self._ev is not None:
             self._ev.cache_cleared(reason, blocks)
 
+    def _cache_state_changed(self, state: str) -> None:
+        """The prefix cache turned on, off or unproven (rare: not in the step's log; vLLM's stats read the state)."""
+        if self._ev is not None:
+            self._ev.prefix_cache_state(state)
+
     def _breaker_changed(self, is_open: bool) -> None:
         if self.log is not None:
             self.log.breaker = is_open

@@ -119,10 +119,17 @@ def _panels(p: Panels) -> list[tuple[db.Row, list[Any]]]:
                                 "answered locally/s {{instance}}")], "percentunit"),
             p.timeseries("Prefix cache size and clears", "Blocks remembered (against lookup_prefix_cache_blocks) "
                          "and clears per second by reason: reset (this instance), epoch (the store was wiped by "
-                         "any instance, or the master restarted), failure (a lookup failed).",
+                         "any instance, or the master restarted), failure (a lookup failed); 1 while the cache is "
+                         "unproven (no store epoch from the server: nothing cached, no hit held; "
+                         "MooncakeLookupPrefixCacheOff), and a standalone server's reason (its lease probe: probing, "
+                         "store_refused: no memory lent to the store yet, lease_too_short; off by configuration).",
                          [Query(q.gauge(c.PREFIX_CACHE_BLOCKS.name, "sum", BY_INSTANCE), "blocks {{instance}}"),
                           Query(q.counter_rate(c.PREFIX_CACHE_CLEARS, ("reason", "instance")),
-                                "clears/s {{reason}} {{instance}}")], "none"),
+                                "clears/s {{reason}} {{instance}}"),
+                          Query(q.gauge(c.PREFIX_CACHE_STATE.name, "max", BY_INSTANCE, extra=['state="unproven"']),
+                                "unproven {{instance}}"),
+                          Query(q.gauge(c.SERVER_PREFIX_CACHE_STATE.name, "max", ("state", "instance"),
+                                        extra=['state!="on"']), "server {{state}} {{instance}}")], "none"),
         ]),
         (p.row("Lookup delay (what the answer costs end to end)"), [
             p.timeseries("Submit to answer used", "From submitting a lookup to the scheduler using the answer.",

@@ -71,6 +71,9 @@ class PrometheusSink(NullObserver):
         self._cache_answers = make_metric(cat.PREFIX_CACHE_ANSWERS, registry)
         clears = make_metric(cat.PREFIX_CACHE_CLEARS, registry)
         self._cache_clears = {r: clears.labels(r) for r in cat.CACHE_CLEAR_REASONS}
+        states = make_metric(cat.PREFIX_CACHE_STATE, registry)
+        self._cache_state = {s: states.labels(s) for s in cat.PREFIX_CACHE_STATES}
+        self.prefix_cache_state("off")  # until the client says otherwise (it tells only of changes)
         self._deferrals = make_metric(cat.DEFERRALS, registry)
         self._deferred_steps = make_metric(cat.DEFERRED_STEPS, registry)
         self._queue = make_metric(cat.QUEUE_SECONDS, registry)
@@ -147,6 +150,10 @@ class PrometheusSink(NullObserver):
 
     def cache_cleared(self, reason: str, blocks: int) -> None:
         self._cache_clears[reason].inc()
+
+    def prefix_cache_state(self, state: str) -> None:
+        for name, child in self._cache_state.items():
+            child.set(1 if name == state else 0)
 
     def scheduler_call(self, mode: str, seconds: float) -> None:
         child = self._blocked.get(mode)

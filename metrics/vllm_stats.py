@@ -71,6 +71,7 @@ _CACHE_QUERY = cat.PREFIX_CACHE_QUERY_BLOCKS.key
 _CACHE_KNOWN = cat.PREFIX_CACHE_KNOWN_BLOCKS.key
 _CACHE_ANSWERS = cat.PREFIX_CACHE_ANSWERS.key
 _CACHE_CLEARS = cat.PREFIX_CACHE_CLEARS.key
+_CACHE_STATE = cat.PREFIX_CACHE_STATE.key
 _BREAKER = cat.BREAKER_OPEN.key
 _STEPS = cat.DEFERRED_STEPS.key
 _QUEUE = cat.QUEUE_SECONDS.key
@@ -193,13 +194,15 @@ class LookupStatsCollector:
             _LOOKUPS: list(map(_row, log.ended)), _PENDING: client.pending, _HELD: client.held,
             _BUDGET: client.budget.in_force_s, _CACHE_BLOCKS: len(client.cache or ()), _DEFERRALS: log.deferrals,
             _LATE: late, _DROPPED: log.dropped, _CACHE_CLEARS: log.clears, _INTERVAL: log.intervals,
-            _BLOCKED: {self._mode: log.calls}, _BREAKER: log.breaker}]})
+            _BLOCKED: {self._mode: log.calls}, _BREAKER: log.breaker, _CACHE_STATE: client.store_view.state}]})
 
 
 def step_figures(raw: dict[str, Any]) -> dict[str, Any]:
     """One step's figures from its raw record: outcomes counted, tokens summed, the lookups' times as the
     histograms' observations; the gauges as they were; a counter, list or change only when it has something."""
     step: dict[str, Any] = {key: raw[key] for key in (_PENDING, _HELD, _BUDGET, _CACHE_BLOCKS)}
+    if (state := raw.get(_CACHE_STATE)) is not None:  # a gauge of one label value: on, off or unproven
+        step[_CACHE_STATE] = state
     requests: dict[str, int] = {}
     step[_REQUESTS] = requests
     rows = raw[_LOOKUPS]
@@ -276,6 +279,8 @@ class LookoutPromMetrics(KVConnectorPromMetrics):
                 self._child(engine_idx, _DROPPED, reason)
             for reason in cat.CACHE_CLEAR_REASONS:
                 self._child(engine_idx, _CACHE_CLEARS, reason)
+            for state in cat.PREFIX_CACHE_STATES:
+                self._child(engine_idx, _CACHE_STATE, state)
             for key in (*_COUNTERS, _PENDING, _BREAKER, _HELD, _BUDGET, _CACHE_BLOCKS):
                 self._child(engine_idx, key)
         self._publish_info(vllm_config)
@@ -340,6 +345,9 @@ class LookoutPromMetrics(KVConnectorPromMetrics):
                 self._child(engine_idx, key).set(step[key])
         if _BREAKER in step:
             self._child(engine_idx, _BREAKER).set(step[_BREAKER])
+        if (state := step.get(_CACHE_STATE)) is not None:
+            for name in cat.PREFIX_CACHE_STATES:
+                self._child(engine_idx, _CACHE_STATE, name).set(1 if name == state else 0)
 
 
 def build_kv_connector_stats(data: dict[str, Any] | None = None) -> LookoutLookupStats:
