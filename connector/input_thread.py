@@ -49,8 +49,13 @@ def _hand(listener: Callable[[Any], None], request: Any) -> None:
     try:
         listener(request)
     except Exception:
-        if _log_limit.allow(time.perf_counter()):
-            logger.exception("starting a lookup on vLLM's input thread failed (it starts at admission instead)")
+        _failed()
+
+
+def _failed() -> None:
+    """Log (rate-limited) what a listener raised; called from its ``except`` block."""
+    if _log_limit.allow(time.perf_counter()):
+        logger.exception("starting a lookup on vLLM's input thread failed (it starts at admission instead)")
 
 
 def available() -> bool:
@@ -114,8 +119,11 @@ def _install() -> bool:
                 listener = _listeners.get(id(self.scheduler.connector))
             except AttributeError:  # not an engine core with a scheduler (yet): nobody of ours to tell
                 return built
-            if listener is not None:
-                _hand(listener, built[0] if isinstance(built, tuple) else built)
+            if listener is not None:  # _hand, inline (a call frame less a request)
+                try:
+                    listener(built[0] if isinstance(built, tuple) else built)
+                except Exception:
+                    _failed()
         return built
 
     EngineCore.preprocess_add_request = preprocess_add_request
