@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mooncake_lookout.connector.arrivals import DROP_REASONS as ARRIVAL_DROP_REASONS
 from mooncake_lookout.connector.events import Outcome
 
 PREFIX = "vllm:mooncake_lookup_"
@@ -83,6 +84,11 @@ ANSWERS_DROPPED = _m("answers_dropped", "counter",
                      "Held answers forgotten before use: expired (older than lookup_answer_ttl_ms), evicted (bound), "
                      "wiped (the store was wiped after they were answered).",
                      ("reason",))
+ARRIVALS_DROPPED = _m("arrivals_dropped", "counter",
+                      "Lookups sent as their request arrived (lookup_on_arrival) that the request never took over, "
+                      "each also counted discarded in requests: unclaimed (not claimed before its deadline: aborted "
+                      "before admission), prompt_changed (claimed with another prompt), reset (fenced by a reset), "
+                      "closed. Their replies are not late replies.", ("reason",))
 WAIT_BUDGET_SECONDS = _m("wait_budget_seconds", "gauge",
                          "The per-step wait budget in force (lookup_wait_us, or what auto chose).")
 PREFIX_CACHE_BLOCKS = _m("prefix_cache_blocks", "gauge",
@@ -120,7 +126,8 @@ STEP_INTERVAL_SECONDS = _m("step_interval_seconds", "histogram",
                            "Time between two scheduler steps as the lookup client sees them: what a step costs, and "
                            "what lookup_wait_us auto caps its wait by.", (), SECONDS_BUCKETS)
 BREAKER_OPEN = _m("breaker_open", "gauge", "1 while the circuit breaker is open.")
-LATE_REPLIES = _m("late_replies", "counter", "Replies dropped because their lookup had already ended or was unknown.")
+LATE_REPLIES = _m("late_replies", "counter", "Replies that came after their lookup's deadline, or for no lookup known: "
+                  "the server was slow (a reply in time for a lookup nobody waits for any more is not counted).")
 INFO = _m("info", "gauge", "Lookup configuration, value 1.", ("transport", "lookup_async", "mode",
                                                               "lookup_wait_us", "lookup_wait_auto_share",
                                                               "lookup_timeout_ms", "lookup_max_pending"))
@@ -157,7 +164,8 @@ SERVER_PREFIX_CACHE_STATE = _m("server_prefix_cache_state", "gauge",
                                "configuration).", ("state",), side="server")
 
 CATALOGUE: tuple[MetricSpec, ...] = (
-    REQUESTS, QUERIED_TOKENS, HIT_TOKENS, PENDING, MAX_PENDING, HELD, MAX_HELD, ANSWERS_DROPPED, WAIT_BUDGET_SECONDS,
+    REQUESTS, QUERIED_TOKENS, HIT_TOKENS, PENDING, MAX_PENDING, HELD, MAX_HELD, ANSWERS_DROPPED, ARRIVALS_DROPPED,
+    WAIT_BUDGET_SECONDS,
     PREFIX_CACHE_BLOCKS, PREFIX_CACHE_QUERY_BLOCKS, PREFIX_CACHE_KNOWN_BLOCKS, PREFIX_CACHE_ANSWERS,
     PREFIX_CACHE_CLEARS, PREFIX_CACHE_STATE,
     DEFERRALS, DEFERRED_STEPS, QUEUE_SECONDS, RPC_SECONDS, SECONDS, SCHEDULER_BLOCKED_SECONDS, STEP_INTERVAL_SECONDS,
@@ -175,7 +183,7 @@ def all_series_names() -> set[str]:
 
 
 __all__ = [
-    "BY_NAME", "CACHE_CLEAR_REASONS", "CATALOGUE", "DROP_REASONS", "MODES", "MetricSpec", "OUTCOMES", "PREFIX",
-    "PREFIX_CACHE_STATES", "SECONDS_BUCKETS", "SERVER_BOUND_MEASURES", "SERVER_BOUND_SCOPES", "SERVER_BUSY",
-    "SERVER_PREFIX_CACHE_STATES", "SERVER_REFUSED", "SERVER_STATUSES", "all_series_names",
+    "ARRIVAL_DROP_REASONS", "BY_NAME", "CACHE_CLEAR_REASONS", "CATALOGUE", "DROP_REASONS", "MODES", "MetricSpec",
+    "OUTCOMES", "PREFIX", "PREFIX_CACHE_STATES", "SECONDS_BUCKETS", "SERVER_BOUND_MEASURES", "SERVER_BOUND_SCOPES",
+    "SERVER_BUSY", "SERVER_PREFIX_CACHE_STATES", "SERVER_REFUSED", "SERVER_STATUSES", "all_series_names",
 ]

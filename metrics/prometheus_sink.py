@@ -64,6 +64,8 @@ class PrometheusSink(NullObserver):
         self._max_held = make_metric(cat.MAX_HELD, registry)
         dropped = make_metric(cat.ANSWERS_DROPPED, registry)
         self._dropped = {r: dropped.labels(r) for r in cat.DROP_REASONS}
+        arrivals = make_metric(cat.ARRIVALS_DROPPED, registry)
+        self._arrivals_dropped = {r: arrivals.labels(r) for r in cat.ARRIVAL_DROP_REASONS}
         self._budget = make_metric(cat.WAIT_BUDGET_SECONDS, registry)
         self._cache_blocks = make_metric(cat.PREFIX_CACHE_BLOCKS, registry)
         self._cache_query = make_metric(cat.PREFIX_CACHE_QUERY_BLOCKS, registry)
@@ -139,6 +141,9 @@ class PrometheusSink(NullObserver):
 
     def answer_dropped(self, rec: LookupRecord, reason: str) -> None:
         self._dropped[reason].inc()
+
+    def arrival_dropped(self, rec: LookupRecord, reason: str) -> None:
+        self._arrivals_dropped[reason].inc()
 
     def step_ended(self, wait_budget_s: float, held: int, cached_blocks: int,
                    interval_s: float | None = None) -> None:

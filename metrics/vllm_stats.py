@@ -65,6 +65,7 @@ _MAX_PENDING = cat.MAX_PENDING.key
 _HELD = cat.HELD.key
 _MAX_HELD = cat.MAX_HELD.key
 _DROPPED = cat.ANSWERS_DROPPED.key
+_ARRIVALS_DROPPED = cat.ARRIVALS_DROPPED.key
 _BUDGET = cat.WAIT_BUDGET_SECONDS.key
 _CACHE_BLOCKS = cat.PREFIX_CACHE_BLOCKS.key
 _CACHE_QUERY = cat.PREFIX_CACHE_QUERY_BLOCKS.key
@@ -193,8 +194,9 @@ class LookupStatsCollector:
         return LookoutLookupStats(data={STATS_KEY: [{
             _LOOKUPS: list(map(_row, log.ended)), _PENDING: client.pending, _HELD: client.held,
             _BUDGET: client.budget.in_force_s, _CACHE_BLOCKS: len(client.cache or ()), _DEFERRALS: log.deferrals,
-            _LATE: late, _DROPPED: log.dropped, _CACHE_CLEARS: log.clears, _INTERVAL: log.intervals,
-            _BLOCKED: {self._mode: log.calls}, _BREAKER: log.breaker, _CACHE_STATE: client.store_view.state}]})
+            _LATE: late, _DROPPED: log.dropped, _ARRIVALS_DROPPED: log.arrivals_dropped, _CACHE_CLEARS: log.clears,
+            _INTERVAL: log.intervals, _BLOCKED: {self._mode: log.calls}, _BREAKER: log.breaker,
+            _CACHE_STATE: client.store_view.state}]})
 
 
 def step_figures(raw: dict[str, Any]) -> dict[str, Any]:
@@ -236,8 +238,8 @@ def step_figures(raw: dict[str, Any]) -> dict[str, Any]:
         step.update({_STEPS: steps, _QUEUE: queue, _RPC: rpc, _SECONDS: seconds, _QUERIED: queried, _HIT: hit})
         if cache_query:
             step.update({_CACHE_QUERY: cache_query, _CACHE_KNOWN: cache_known, _CACHE_ANSWERS: cache_answers})
-    for key in (_DEFERRALS, _LATE, _DROPPED, _CACHE_CLEARS, _INTERVAL):
-        if raw[key]:
+    for key in (_DEFERRALS, _LATE, _DROPPED, _ARRIVALS_DROPPED, _CACHE_CLEARS, _INTERVAL):
+        if raw.get(key):
             step[key] = raw[key]
     if any(raw[_BLOCKED].values()):
         step[_BLOCKED] = raw[_BLOCKED]
@@ -277,6 +279,8 @@ class LookoutPromMetrics(KVConnectorPromMetrics):
                 self._child(engine_idx, _REQUESTS, outcome)
             for reason in cat.DROP_REASONS:
                 self._child(engine_idx, _DROPPED, reason)
+            for reason in cat.ARRIVAL_DROP_REASONS:
+                self._child(engine_idx, _ARRIVALS_DROPPED, reason)
             for reason in cat.CACHE_CLEAR_REASONS:
                 self._child(engine_idx, _CACHE_CLEARS, reason)
             for state in cat.PREFIX_CACHE_STATES:
@@ -338,6 +342,8 @@ class LookoutPromMetrics(KVConnectorPromMetrics):
                 child.observe(value)
         for reason, n in step.get(_DROPPED, {}).items():
             self._child(engine_idx, _DROPPED, reason).inc(n)
+        for reason, n in step.get(_ARRIVALS_DROPPED, {}).items():
+            self._child(engine_idx, _ARRIVALS_DROPPED, reason).inc(n)
         for reason, n in step.get(_CACHE_CLEARS, {}).items():
             self._child(engine_idx, _CACHE_CLEARS, reason).inc(n)
         for key in (_PENDING, _HELD, _BUDGET, _CACHE_BLOCKS):
