@@ -29,6 +29,7 @@ import collections
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 logger = logging.getLogger(__name__)
 MARKS = 8  # snapshots of the answered-event count per window: its resolution (the window's start within 1/8)
@@ -64,7 +65,7 @@ class CircuitBreaker:
         self._marks: collections.deque[tuple[float, int]] = collections.deque([(-float("inf"), 0)])
         self._next_mark = -float("inf")
         # failure events in the window: [ended, sent, silent timeout (absolvable)]
-        self._failed: collections.deque[list] = collections.deque()  # type: ignore[type-arg]
+        self._failed: collections.deque[list[Any]] = collections.deque()
         self._run = 0  # failure events in a row with nothing heard between them
 
     @property
