@@ -13,7 +13,8 @@ The rules, in the order they are applied (thresholds are the constants below):
   restart. Why 0.5%: each such timeout is one prompt recomputed, so below it the loss is under 0.5% of the
   store's hits, less than rolling a new setting out to every engine costs (the trial that prompted this read 4
   timeouts in 53,097 lookups, 0.0075%, as a reason to act). Timeouts whose replies mostly came late
-  (:data:`SLOW_LATE` late replies per timeout or more) are slowness, not failure: the server is alive.
+  (:data:`SLOW_LATE` late replies per timeout or more) with the breaker never open are slowness, not failure:
+  the server is alive (with the breaker open, they are the answers of a stall that ended).
 * **lookup_async.** A store that fails (timeouts with no late reply, errors or breaker short-circuits in at least
   :data:`FAILING_SHARE` of lookups, or the breaker opened) -> ``true``: in sync mode each such lookup
   blocks the scheduler up to the deadline. In sync mode, ``b`` at least :data:`SYNC_SHARE` of ``T``
@@ -167,7 +168,8 @@ def costs(f: Figures, now: InForce) -> Costs:
     timeouts = f.outcomes.get(Outcome.TIMEOUT.value, 0.0)
     errors = f.outcomes.get(Outcome.ERROR.value, 0.0)
     contention = not f.breaker_opened and not errors and failures < CONTENTION_SHARE * lookups
-    slow = timeouts > 0 and f.late_replies >= SLOW_LATE * timeouts
+    # Late replies after a silence long enough to open the breaker are a stall that ended, not a slow server.
+    slow = timeouts > 0 and f.late_replies >= SLOW_LATE * timeouts and not f.breaker_opened
     deadline = now.timeout_ms / 1e3
     answered = count_upto(f.rpc_buckets, deadline)
     rpc_p50, rpc_p90, rpc_p99 = (bucket_quantile(f.rpc_buckets, q, deadline) for q in (0.5, 0.9, 0.99))
