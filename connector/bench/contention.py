@@ -144,8 +144,11 @@ def drive(maker: ClientMaker, label: str, name: str, lookup_async: bool, config:
     if name != "upstream":
         outcomes = {o.value: k for o, k in counter.outcomes.items() if k}
         failed = sum(counter.outcomes[o] for o in FAILED)
+        # Lookups that ended, not requests: a lookup refused at admission (breaker open) ends, and the request's
+        # next call starts another.
+        ended = sum(k for o, k in counter.outcomes.items() if o is not Outcome.DISCARDED)
         rtt = [r.rpc_seconds for r in counter.records if r.rpc_seconds is not None and r.store_answered]
-        out.update(outcomes=outcomes, failed=failed, failed_share=failed / n if n else None,
+        out.update(outcomes=outcomes, failed=failed, ended=ended, failed_share=failed / ended if ended else None,
                    breaker_opened=True in counter.breaker_changes, late_replies=late,
                    timeout_ms=maker_timeout_ms(lookup_async, config), answered_rpc_us=summary_us(rtt),
                    answered_rpc_p999_us=quantile(rtt, 0.999) * 1e6 if rtt else None)

@@ -35,15 +35,21 @@ def _ms(us: float | None) -> str:
     return num(None if us is None else us / 1e3, 1)
 
 
+def _ended(v: dict[str, Any]) -> int:
+    """Lookups that ended (a request whose first lookup was refused at once asks again: two lookups)."""
+    return int(v.get("ended") or sum(k for o, k in (v.get("outcomes") or {}).items() if o != "discarded")
+               or v["lookups"])
+
+
 def _row(cond: str, v: dict[str, Any], ref: dict[str, Any] | None) -> str:
     rtt = v.get("answered_rpc_us") or {}
     deadline = "none" if v["client"] == "upstream" else f"{num(v.get('timeout_ms'), 0)} ms"
     if v["client"] == "upstream":
         lost = f"{v['unanswered']:,} never answered" if v.get("unanswered") else "-"
     else:
-        lost = f"{v['failed']:,} ({num(100 * (v['failed_share'] or 0), 2)}%)"
-        if v.get("late_replies"):
-            lost += f", {v['late_replies']:,} replies came late"
+        lost = f"{v['failed']:,} of {_ended(v):,} ({num(100 * v['failed'] / max(1, _ended(v)), 2)}%)"
+        if late := v.get("late_replies"):
+            lost += f", {late:,} {'reply' if late == 1 else 'replies'} came late"
     hits = "(reference)" if v is ref else num(v["hit_tokens"] / ref["hit_tokens"], 3) if ref else "-"
     breaker = ("opened" if v.get("breaker_opened") else "closed") if v["client"] != "upstream" else "-"
     return (f"| {cond} | {v['label']} | {deadline} | {_ms(rtt.get('p99'))} / "
@@ -60,8 +66,8 @@ def render_contention(results: dict[str, Any]) -> str:
              f"average {num(start[0], 2)} -> {num(end[0], 2)}). (j): {j['steps']:,} steps of "
              f"{j['arrivals_per_step']} new requests, a {num(j['model_step_ms'], 0)} ms model step between "
              "steps, every stored prefix whole (each lookup can hit).", "",
-             "| contention | client | deadline | answered round trip p99 / p99.9 / max (ms) | ended without the "
-             "store's answer | breaker | hit tokens / no deadline |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| contention | client | deadline | answered round trip p99 / p99.9 / max (ms) | lookups ended without "
+             "the store's answer | breaker | hit tokens / no deadline |", "| --- | --- | --- | --- | --- | --- | --- |"]
     names = {"cpu hogs": "a CPU hog per core", "gil loop": "a GIL-holding loop in the server's process"}
     for cond, c in j["conditions"].items():
         by = {v["label"]: v for v in c["variants"]}
