@@ -67,7 +67,10 @@ class Answers:
             lk.outcome, lk.hit_length, lk.tail_key_boundaries = ERROR, 0, ()
         lk.t_consume, outcome = now, lk.outcome
         if not (lk.local or lk.refused) and lk.t_start is not None:  # refusals teach nothing: busy is no wipe
-            self.breaker.record(not (failed := outcome is ERROR or outcome is TIMEOUT))
+            if failed := outcome is ERROR or outcome is TIMEOUT:  # an event of its send (breaker.py)
+                self.breaker.failed(lk.t_start, lk.t_answer or now, timeout=outcome is TIMEOUT)
+            else:
+                self.breaker.answered(lk.t_start, lk.t_answer or now)
             lk.valid_until = lk.valid_until or self.store_view.valid_until(lk)
             if failed:
                 self.store_view.failed(lk.outcome is ERROR, lk.t_answer or now)  # the master may have restarted
@@ -102,7 +105,10 @@ class Answers:
             return
         self.transport.forget(lk)
         if lk.evidence and lk.t_start is not None:
-            self.breaker.record(not lk.failed)
+            if lk.failed:
+                self.breaker.failed(lk.t_start, lk.t_answer or lk.t_start, timeout=lk.outcome is TIMEOUT)
+            else:
+                self.breaker.answered(lk.t_start, lk.t_answer or lk.t_start)
         elif lk.probe:
             self.breaker.probe_abandoned()
         lk.outcome, lk.t_consume = Outcome.DISCARDED, _clock()

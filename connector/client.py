@@ -10,8 +10,9 @@ What the scheduler can count on:
   :meth:`end_step` the rest. With the socket on this thread (blocking, or a wait budget) a step's first
   :data:`ADMISSION_FRAMES` admissions leave at once, a frame each; async lookups may leave earlier still, from
   vLLM's input thread (:attr:`arrivals`, the one state shared with another thread: arrivals.py).
-* After ``lookup_breaker_failures`` consecutive failures, lookups answer a miss at once for
-  ``lookup_breaker_cooldown_s``, then one probe decides.
+* The breaker (breaker.py) opens on failure, not slowness: errors, and timeouts with no reply at all, counted
+  once per send or poll, at a rate over ``lookup_breaker_window_s`` with a minimum volume; a late reply proves the
+  server alive. Open, lookups answer a miss at once for ``lookup_breaker_cooldown_s``, then one probe decides.
 * At most ``lookup_max_pending`` lookups are queued or in flight: past it an admission starts none, a
   non-blocking ask defers, a blocking ask gets a miss (``rejected``). At most ``lookup_max_held`` answers are
   held (past it, the oldest is forgotten).
@@ -58,7 +59,9 @@ class LookupClient(Answers, Reporting):
         self.observers = observer if isinstance(observer, ObserverSet) else ObserverSet(
             [observer] if observer is not None else [])
         self.breaker = CircuitBreaker(config.lookup_breaker_failures, config.lookup_breaker_cooldown_s,
-                                      probe_timeout_s=config.timeout_s, on_change=self._breaker_changed)
+                                      probe_timeout_s=config.timeout_s, rate=config.lookup_breaker_failure_rate,
+                                      window_s=config.lookup_breaker_window_s,
+                                      heard=lambda: transport.late_replies, on_change=self._breaker_changed)
         self.budget = WaitBudget(config.wait_s, share=config.lookup_wait_auto_share)
         self.generation = 0
         self.log: StepLog | None = None  # kept once a reader asks for it (take_log)

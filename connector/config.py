@@ -26,6 +26,9 @@ UPSTREAM_KEYS = frozenset({"lookup_rpc_port"})
 _META = "lookout_key"  # where a field keeps its meaning, check and rule (dataclasses field metadata)
 
 _T = TypeVar("_T")
+# `lookup_timeout_ms: auto`, per mode (docs/tuning.md, "Deadlines per mode", has the measurements behind them).
+SYNC_TIMEOUT_MS = 100.0  # blocking: the longest the scheduler's step may stall on one lookup
+ASYNC_TIMEOUT_MS = 2000.0  # async: an answer this late still beats a recompute; bounds memory and a dead server
 _FILE_RULE = "'' or a zmq.auth certificate file"
 # CURVE keys that only make sense together: the client's pair of files, the server's.
 _CURVE_PAIRS = (("lookup_curve_server_public_key", "lookup_curve_client_secret_key"),
@@ -96,10 +99,13 @@ class LookupConfig:
         0.25, "with `lookup_wait_us: auto`: the largest share of the measured step interval the scheduler may "
               "wait; past it, it defers at once",
         lambda v: 0 < v <= 0.9, "> 0 and <= 0.9")
-    lookup_timeout_ms: float = _key(
-        100.0, "deadline of one lookup, from when it is sent (time queued in the client is not the server's); "
-               "then a miss, counted as a timeout; also bounds a blocking call",
-        lambda v: 0 < v <= 60_000, "> 0 and <= 60000")
+    lookup_timeout_ms: float | str = _key(
+        "auto", "deadline of one lookup, from when it is sent (time queued in the client is not the server's); "
+                f"then a miss, counted as a timeout; also bounds a blocking call. `auto`: {SYNC_TIMEOUT_MS:g} ms "
+                f"in blocking mode (it bounds the scheduler's block), {ASYNC_TIMEOUT_MS:g} ms with `lookup_async` "
+                "(it bounds memory and the wait for a dead server; a later answer still beats a recompute: "
+                "docs/tuning.md)",
+        lambda v: v == "auto" or 0 < v <= 60_000, "> 0 and <= 60000 or auto", words=("auto",))
     lookup_max_pending: int = _key(
         1024, "lookups queued or in flight; past it, an admission starts none and a non-blocking ask defers, "
               "a blocking ask gets an immediate miss counted as rejected",
@@ -131,8 +137,19 @@ class LookupConfig:
         60.0, "how long `reset` (vLLM's `reset_prefix_cache`) waits for the server to wipe the store",
         lambda v: 0 < v <= 3600, "> 0 and <= 3600")
     lookup_breaker_failures: int = _key(
-        5, "consecutive failures (timeouts, errors) that open the circuit breaker",
+        5, "failure events the circuit breaker needs before it opens: errors, and timeouts with no reply at all "
+           "from the server since they were sent (a late reply proves it alive: slowness, not failure); lookups "
+           "that failed together (one send, one frame, one poll) are one event. It opens when that many fall in "
+           "`lookup_breaker_window_s` and make `lookup_breaker_failure_rate` of its events, or come in a row with "
+           "nothing heard from the server between them",
         lambda v: 1 <= v <= 10_000, "1..10000")
+    lookup_breaker_failure_rate: float = _key(
+        0.5, "share of the window's events (a send's or a poll's lookups count once) that must be failures for the "
+             "circuit breaker to open",
+        lambda v: 0 < v <= 1, "> 0 and <= 1")
+    lookup_breaker_window_s: float = _key(
+        10.0, "the circuit breaker's window: failure and answered events older than this no longer count",
+        lambda v: 0 < v <= 3600, "> 0 and <= 3600")
     lookup_breaker_cooldown_s: float = _key(
         5.0, "how long an open breaker answers misses at once before it lets one probe through",
         lambda v: 0 < v <= 3600, "> 0 and <= 3600")
@@ -173,6 +190,8 @@ class LookupConfig:
                 raise ConfigError(f"kv_connector_extra_config[{key.name!r}] = {value!r} is out of range: it must be "
                                   f"{key.accepts}")
             object.__setattr__(self, key.name, value)
+        if self.lookup_timeout_ms == "auto":  # resolved once: everything downstream reads a number
+            object.__setattr__(self, "lookup_timeout_ms", ASYNC_TIMEOUT_MS if self.lookup_async else SYNC_TIMEOUT_MS)
         self._check_curve()
 
     def _check_curve(self) -> None:
@@ -218,7 +237,7 @@ class LookupConfig:
     @property
     def timeout_s(self) -> float:
         """The deadline of one lookup, in seconds."""
-        return self.lookup_timeout_ms / 1000.0
+        return float(self.lookup_timeout_ms) / 1000.0
 
     @property
     def wait_s(self) -> float | None:
@@ -275,4 +294,4 @@ def _keys() -> tuple[Key, ...]:
 KEYS: tuple[Key, ...] = _keys()
 KEYS_BY_NAME: dict[str, Key] = {k.name: k for k in KEYS}
 
-__all__ = ["ConfigError", "KEYS", "KEYS_BY_NAME", "Key", "LookupConfig"]
+__all__ = ["ASYNC_TIMEOUT_MS", "ConfigError", "KEYS", "KEYS_BY_NAME", "Key", "LookupConfig", "SYNC_TIMEOUT_MS"]

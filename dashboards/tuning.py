@@ -11,7 +11,7 @@ from typing import Any
 
 from grafana_foundation_sdk.builders import dashboard as db
 
-from mooncake_lookout.connector.config import KEYS_BY_NAME
+from mooncake_lookout.connector.config import ASYNC_TIMEOUT_MS, KEYS_BY_NAME, SYNC_TIMEOUT_MS
 from mooncake_lookout.metrics import catalogue as c
 
 import known_metrics as km
@@ -38,7 +38,8 @@ Read the rows below from left to right: **blocked time** is what every other req
 longer), **deferred steps** is what this request pays (it waits a step even on a miss), **lookup delay** is
 the whole wait from submit to use. Defaults: `lookup_async={KEYS_BY_NAME["lookup_async"].default}`,
 `lookup_wait_us={KEYS_BY_NAME["lookup_wait_us"].default}`, \
-`lookup_timeout_ms={KEYS_BY_NAME["lookup_timeout_ms"].default:g}`.
+`lookup_timeout_ms={KEYS_BY_NAME["lookup_timeout_ms"].default}` ({SYNC_TIMEOUT_MS:g} ms blocking, \
+{ASYNC_TIMEOUT_MS:g} ms async).
 """
 
 WHAT_TO_CHANGE = """\

@@ -80,7 +80,26 @@ def advised(f: Figures) -> dict[str, Any]:
     return {a.key: a for a in decide(f)[2]}
 
 
-ASYNC = LookupConfig(lookup_async=True)
+ASYNC = LookupConfig(lookup_async=True, lookup_timeout_ms=100)  # the figures below are drawn around 100 ms
+
+
+def test_timeouts_a_busy_host_alone_causes_ask_for_no_change() -> None:
+    """The trial's reading (issue 49): 4 timeouts in 53,097 lookups, replies late, the breaker closed. That is
+    contention, below CONTENTION_SHARE: keep the deadline, keep sync, no failing store, no restart."""
+    sync = LookupConfig(lookup_async=False)
+    busy = dict(outcomes={"hit": 53_093.0, "timeout": 4.0}, steps=13_000.0, blocked_s=0.2, late_replies=4.0,
+                rpc_buckets=buckets({0.001: 50_000, 0.025: 3_000, 0.05: 60, 0.1: 33, 0.25: 4}))
+    a = advised(figures(sync, **busy))
+    assert not a["lookup_timeout_ms"].changed and "not a deadline to change" in a["lookup_timeout_ms"].reason
+    assert not a["lookup_async"].changed and "failed" not in a["lookup_async"].reason
+    assert "restart" not in " ".join(x.reason for x in a.values() if x.changed)
+    b = advised(figures(ASYNC, **busy))
+    assert not b["lookup_timeout_ms"].changed and b["lookup_wait_us"].reason.startswith("keep deferring") is False
+    # Past the share, timeouts whose replies came late are a slow server, alive: raise the deadline, no failing store.
+    slow = advised(figures(ASYNC, outcomes={"hit": 3_900.0, "timeout": 100.0}, late_replies=90.0,
+                           rpc_buckets=buckets({0.001: 3_900, 0.25: 100})))
+    assert slow["lookup_timeout_ms"].value == 200.0 and "late replies" in slow["lookup_timeout_ms"].reason
+    assert "keep deferring" not in slow["lookup_wait_us"].reason
 
 
 def test_deadline_is_raised_only_when_answers_come_right_up_to_it() -> None:

@@ -184,12 +184,13 @@ def test_a_fixed_budget_shorter_than_the_round_trip_is_advised_auto(run_scenario
 
 
 def test_a_stalled_store_is_advised_to_keep_deferring_with_the_same_deadline(run_scenario) -> None:
-    """Async with the master frozen (SIGSTOP) for 2 of the 6 s: lookups sent meanwhile time out, the breaker
-    opens and answers misses (the demo's table lists the timeouts). Advice: keep async and do not wait (a wait
-    would be spent on answers that do not come; deferring already frees the scheduler). The deadline stays:
+    """Async with a 100 ms deadline and the master frozen (SIGSTOP) for 2 of the 6 s: lookups sent meanwhile time
+    out, the breaker opens and answers misses (the demo's table lists the timeouts). Advice: keep async and do not
+    wait (a wait would be spent on answers that do not come; deferring already frees the scheduler). The deadline stays:
     answers that did come were far below it, so the timeouts are a stall, not a tail a longer deadline
     would catch; it would only hold requests longer."""
-    s = run_scenario("--mode", "async", "--pause-master", "2")
+    # The deadline given (async's auto, 2 s, outlasts this freeze: the demo's own loop then waits it out).
+    s = run_scenario("--mode", "async", "--timeout-ms", "100", "--pause-master", "2")
     assert any("paused (SIGSTOP)" in line for line in s.demo_lines) and any("resumed" in line for line in s.demo_lines)
     assert any("timeout" in line for line in s.demo_lines if "without the store's answer" in line)
     assert s.advice["costs"]["failing"] is True

@@ -1,7 +1,7 @@
 """``advise`` keeps a setting when the evidence is noise: a handful of timeouts among tens of thousands of lookups
 (the trial's 4 in 53,097) does not ask for a new deadline, which would restart every engine of the fleet. The
-threshold is a stated constant of advise_rules.py (:data:`NOISE_TIMEOUTS_MIN` timeouts and
-:data:`NOISE_TIMEOUT_SHARE` of the lookups); above it the deadline rule acts as before."""
+threshold is a stated constant of advise_rules.py (:data:`CONTENTION_SHARE` of the lookups, with no error and the
+breaker never open: what bench scenario (j) measured a busy host alone to cost); above it the deadline rule acts."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ LOOKUPS = 53_097
 def _window(timeouts: int, near_deadline: int) -> Figures:
     """An async deployment's hour: answers within a few ms, ``near_deadline`` of them in (50, 100] ms of the 100 ms
     deadline, ``timeouts`` lookups timed out."""
-    config = LookupConfig(lookup_async=True)
+    config = LookupConfig(lookup_async=True, lookup_timeout_ms=100)
     f = Figures(url="http://prometheus", selector="{}", window="1h", window_s=3600, configs=[info_labels(config)],
                 configs_in_window=1)
     f.outcomes = {"hit": float(LOOKUPS - timeouts), "timeout": float(timeouts)}
@@ -46,12 +46,12 @@ def _timeout_advice(f: Figures) -> Any:
 def test_four_timeouts_in_53097_lookups_keep_the_deadline() -> None:
     advice = _timeout_advice(_window(timeouts=4, near_deadline=3))
     assert not advice.changed and advice.value == 100.0
-    assert "noise" in advice.reason and "4 timeouts in 53097 lookups" in advice.reason, advice.reason
+    assert "4 timeouts in 53097 lookups" in advice.reason and "not a deadline to change" in advice.reason, advice.reason
 
 
 def test_above_the_threshold_the_deadline_rule_acts() -> None:
-    timeouts = max(advise_rules.NOISE_TIMEOUTS_MIN, math.ceil(advise_rules.NOISE_TIMEOUT_SHARE * LOOKUPS))
+    timeouts = math.ceil(advise_rules.CONTENTION_SHARE * LOOKUPS)
     advice = _timeout_advice(_window(timeouts=timeouts, near_deadline=timeouts))
     assert advice.changed and advice.value == 200.0, advice.reason
     below = _timeout_advice(_window(timeouts=timeouts - 1, near_deadline=timeouts))
-    assert not below.changed and "noise" in below.reason
+    assert not below.changed and "not a deadline to change" in below.reason

@@ -7,14 +7,25 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_lookout.connector.config import KEYS, ConfigError, LookupConfig
+from mooncake_lookout.connector.config import ASYNC_TIMEOUT_MS, KEYS, SYNC_TIMEOUT_MS, ConfigError, LookupConfig
 
 
 def test_defaults_are_upstreams() -> None:
     config = LookupConfig.from_extra_config({})
     assert config.lookup_async is False and config.mode == "sync"
     assert config == LookupConfig()
-    assert {k.name: k.default for k in KEYS} == dataclasses.asdict(config)
+    resolved = {**{k.name: k.default for k in KEYS}, "lookup_timeout_ms": SYNC_TIMEOUT_MS}  # auto, blocking mode
+    assert resolved == dataclasses.asdict(config)
+
+
+def test_the_deadline_defaults_per_mode_and_an_explicit_one_wins() -> None:
+    """`lookup_timeout_ms: auto` (the default) is a short bound in blocking mode, seconds in async (issue 49)."""
+    assert LookupConfig().lookup_timeout_ms == SYNC_TIMEOUT_MS == 100.0
+    assert LookupConfig(lookup_async=True).lookup_timeout_ms == ASYNC_TIMEOUT_MS
+    assert ASYNC_TIMEOUT_MS >= 10 * SYNC_TIMEOUT_MS
+    assert LookupConfig.from_extra_config({"lookup_async": True, "lookup_timeout_ms": 250}).timeout_s == 0.25
+    again = LookupConfig.from_extra_config(LookupConfig(lookup_async=True).as_extra_config())
+    assert again.lookup_timeout_ms == ASYNC_TIMEOUT_MS
 
 
 def test_other_connectors_keys_pass_through() -> None:
@@ -32,6 +43,10 @@ def test_other_connectors_keys_pass_through() -> None:
     ({"lookup_transport": "grpc"}, "lookup_transport"),
     ({"lookup_wait_us": -1}, "lookup_wait_us"),
     ({"lookup_breaker_cooldown_s": 0}, "lookup_breaker_cooldown_s"),
+    ({"lookup_breaker_failure_rate": 0}, "lookup_breaker_failure_rate"),
+    ({"lookup_breaker_failure_rate": 1.5}, "lookup_breaker_failure_rate"),
+    ({"lookup_breaker_window_s": 0}, "lookup_breaker_window_s"),
+    ({"lookup_timeout_ms": "soon"}, "lookup_timeout_ms"),
     ({"lookup_server_address": "http://x"}, "lookup_server_address"),
 ])
 def test_bad_keys_and_values_name_the_key(extra, named) -> None:

@@ -60,7 +60,7 @@ def test_deploy_mds_kv_transfer_config_is_valid_and_read_inside(tmp_path: Path) 
     ({"kv_connector": "LookoutMooncakeStoreConnector", "kv_connector_extra_config": [1]},
      "kv_connector_extra_config must be a JSON object"),
     ({"kv_role": "kv_both", "kv_connector_extra_config": {"lookup_timeout_ms": "100"}},
-     "['lookup_timeout_ms'] must be a number > 0 and <= 60000, got '100'"),
+     "['lookup_timeout_ms'] must be a number > 0 and <= 60000 or auto, got '100'"),
 ])
 def test_a_whole_config_that_would_not_load_ours_is_named(whole: dict[str, object], words: str) -> None:
     finding, config = check_config(json.dumps(whole))

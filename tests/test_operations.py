@@ -103,11 +103,11 @@ from vllm.config.logging import LoggingConfig
 from vllm.logger import configure_logging, init_logger
 configure_logging(LoggingConfig())  # what vLLM's engine core and workers do at start-up
 from mooncake_lookout.connector.breaker import CircuitBreaker
-CircuitBreaker(failures=1, cooldown_s=5.0, probe_timeout_s=1.0).record(False)  # a real transition
+CircuitBreaker(failures=1, cooldown_s=5.0, probe_timeout_s=1.0).failed(0.0, 0.1, timeout=False)  # a real transition
 logging.getLogger("mooncake_lookout.connector.server.loop").info("an info line of ours")
 init_logger("vllm.lookout_test").info("a line of vllm's")
 """
-OPEN = "lookup circuit breaker OPEN after 1 consecutive failures"
+OPEN = "lookup circuit breaker OPEN: 1 failure events in a row"
 
 
 def _logs(env: dict[str, str]) -> subprocess.CompletedProcess:

@@ -1,4 +1,5 @@
-"""Bench scenario (e): the store slowed (paused in short bursts) or stopped (paused), upstream vs ours.
+"""Bench scenario (e): the store slowed (paused in short bursts) or stopped (paused), upstream vs ours; and ours in
+async mode at its default deadline with the store stopped: every poll returns at once (async never blocks).
 
 Why: a lookup path is only safe if a sick store cannot stall the scheduler. The master is frozen with
 SIGSTOP (a real stall: every store call waits), either for good ("stopped") or 20 ms of every 40 ms
@@ -112,9 +113,39 @@ def stopped(rig: Rig, request: WorkloadRequest, *, wait_s: float = 3.0) -> dict[
     return out
 
 
+def stopped_async(rig: Rig, request: WorkloadRequest, *, step_s: float = 0.001) -> dict[str, Any]:
+    """Ours in async mode at its default deadline (``lookup_timeout_ms: auto``) with the master frozen: a poll a
+    step until the lookup ends (a timeout, by its deadline); the longest poll is what the scheduler paid."""
+    client, close = make_client(rig, "ours/pipelined", lookup_async=True)
+    calls: list[float] = []
+    answer = None
+    try:
+        time_sync(client, [request], "warm-async")
+        deadline_ms = float(client.config.lookup_timeout_ms)
+        rig.master.pause()
+        try:
+            t0 = time.perf_counter()
+            while answer is None and time.perf_counter() - t0 < 60.0:
+                c0 = time.perf_counter()
+                answer = client.lookup("stopped-async", request.num_tokens, list(request.block_hashes),
+                                       non_block=True)
+                client.end_step()
+                calls.append(time.perf_counter() - c0)
+                time.sleep(step_s)  # the model's step
+            ended_s = time.perf_counter() - t0
+        finally:
+            rig.master.resume()
+    finally:
+        close()
+    return {"deadline_ms": deadline_ms, "polls": len(calls), "longest_call_ms": max(calls) * 1e3,
+            "call_us": summary_us(calls), "ended_after_s": ended_s,
+            "outcome": None if answer is None else answer.outcome.value}
+
+
 def run(rig: Rig, requests: Sequence[WorkloadRequest], *, wait_s: float = 3.0) -> dict[str, Any]:
-    """Scenario (e): ``slowed`` over ``requests``, then ``stopped`` with one of them."""
-    return {"slowed": slowed(rig, requests), "stopped": stopped(rig, requests[0], wait_s=wait_s)}
+    """Scenario (e): ``slowed`` over ``requests``, then ``stopped`` with one of them, blocking then async."""
+    return {"slowed": slowed(rig, requests), "stopped": stopped(rig, requests[0], wait_s=wait_s),
+            "stopped_async": stopped_async(rig, requests[1])}
 
 
-__all__ = ["TIMEOUT_MS", "run", "slowed", "stopped"]
+__all__ = ["TIMEOUT_MS", "run", "slowed", "stopped", "stopped_async"]

@@ -153,6 +153,12 @@ def e_block(r: dict[str, Any]) -> list[str]:
                          f"{fmt(v.get('returned_after_resume_s'), 2)} s after the master was thawed")
         else:
             lines.append(f"  {name:22} blocked {v['blocked_s'] * 1e3:.1f} ms, answered {v['hit_tokens']} hit tokens")
+    if "stopped_async" in e:  # runs before issue 49 did not measure it
+        a = e["stopped_async"]
+        lines.append(f"    store stopped, ours async at its default deadline ({fmt(a['deadline_ms'], 0)} ms): "
+                     f"{a['polls']} polls, longest {fmt(a['longest_call_ms'], 2)} ms (p99 "
+                     f"{fmt(a['call_us'].get('p99'))} us); ended as {a['outcome']} after "
+                     f"{fmt(a['ended_after_s'], 2)} s")
     return lines
 
 
@@ -264,6 +270,32 @@ def h_block(r: dict[str, Any]) -> list[str]:
                          + ", ".join(f"N={n} {fmt(v, 2)} ms" for n, v in c["p99_ms_by_n"].items())
                          + f"; doubles at N = {doubled if doubled is not None else 'none measured'}")
         lines.append(f"  {kind}: ours / upstream {fmt(s['ratio'], 3)}")
+    return lines
+
+
+def _ms(us: float | None) -> str:
+    return fmt(None if us is None else us / 1e3, 1)
+
+
+def j_block(r: dict[str, Any]) -> list[str]:
+    """Scenario (j): contention, no fault; each client's lookups that ended without the store's answer."""
+    j = r["j"]
+    lines = [f"(j) contention, no fault: {j['steps']} steps of {j['arrivals_per_step']} arrivals, model step "
+             f"{fmt(j['model_step_ms'])} ms, {j['cores']} cores",
+             f"  {'condition':9} {'client':24} {'deadline':>8} {'lookups':>7} {'no answer':>9} {'share':>7} "
+             f"{'breaker':>7} {'late':>5} {'hit tokens':>10} {'call p99 us':>11} {'call max us':>11} "
+             f"{'rtt p99 ms':>10} {'p99.9 ms':>8} {'max ms':>7}"]
+    for cond, c in j["conditions"].items():
+        for v in c["variants"]:
+            ours = v["client"] != "upstream"
+            share = v.get("failed_share")
+            lines.append(f"  {cond:9} {v['label']:24} {fmt(v.get('timeout_ms'), 0) if ours else 'none':>8} "
+                         f"{v['lookups']:>7} {fmt(v.get('failed')) if ours else '-':>9} "
+                         f"{fmt(share * 100, 2) + '%' if share is not None else '-':>7} "
+                         f"{('opened' if v.get('breaker_opened') else 'closed') if ours else '-':>7} "
+                         f"{fmt(v.get('late_replies')):>5} {v['hit_tokens']:>10} {fmt(v['call_us'].get('p99')):>11} "
+                         f"{fmt(v['call_us'].get('max')):>11} {_ms(v.get('answered_rpc_us', {}).get('p99')):>10} "
+                         f"{_ms(v.get('answered_rpc_p999_us')):>8} {_ms(v.get('answered_rpc_us', {}).get('max')):>7}")
     return lines
 
 

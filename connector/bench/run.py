@@ -8,8 +8,9 @@ vLLM's real scheduler per lookup mode; (d) :mod:`.overhead` telemetry as deploye
 ``schedule()`` time, in processes of their own; (e) :mod:`.fault` the store slowed or stopped; (f)
 :mod:`.long_prompts` prompts of 8 to 4,096 blocks through vLLM's scheduler, and f-load, the same loaded; (g)
 :mod:`.multi_turn` multi-turn conversations through vLLM's scheduler, the store keys each turn's lookup sends;
-(h) :mod:`.fleet` a fleet of engines' lookup paths on one master, the master's own CPU.
-(a)-(g) share one rig (:class:`~.rig.Rig`: a master, a lookup server process); (h) starts its own master and
+(j) :mod:`.contention` CPU hogs on every core and a GIL loop beside the lookup server, no fault; (h) :mod:`.fleet` a
+fleet of engines' lookup paths on one master, the master's own CPU.
+(a)-(j) share one rig (:class:`~.rig.Rig`: a master, a lookup server process); (h) starts its own master and
 fleet once the rig is stopped. Writes ``bench.json`` (machines), ``bench.txt`` (the table printed) and PNG
 figures to ``--out``. The targets are judged in :mod:`.targets`.
 """
@@ -39,6 +40,7 @@ from mooncake_lookout.connector.bench.report import (
     floors_block,
     g_block,
     h_block,
+    j_block,
     targets_block,
 )
 from mooncake_lookout.connector.bench.targets import A4_K, AUTO, TARGET_IDS, targets
@@ -47,7 +49,7 @@ from mooncake_lookout.connector.rigs.workload import shared_prefix_workload
 from mooncake_lookout.connector.transport.names import UPSTREAM
 
 BUDGET_US = 200
-SCENARIOS = ("a", "a4", "backends", "b", "c", "d", "e", "f", "f-load", "g", "h")  # what --only may name
+SCENARIOS = ("a", "a4", "backends", "b", "c", "d", "e", "f", "f-load", "g", "j", "h")  # what --only may name
 CALL_SEED = 1  # the requests of (a), (a4), (d)'s old rotation and the solo rows: shared_prefix_workload(seed=1)
 
 
@@ -72,12 +74,13 @@ class Sizes:
     conversations: tuple[Shape, ...]  # scenario (g): the issue's example first, the 4,096-block context last
     vllm_layout: bool  # scenario (g) also through vLLM's key layout (a server process more: ~20 s to start)
     fleet: fleet.FleetSizes
+    contention_steps: int  # scenario (j): steps of each client under each contention
 
 
 QUICK = Sizes(100, 256, 1, 100, 20, 2.0, (BUDGET_US,), 6, long_prompts.QUICK, long_prompts.QUICK_ROUNDS,
-              long_prompts.QUICK_LOAD, 1, 200, 5, multi_turn.QUICK, False, fleet.QUICK)
+              long_prompts.QUICK_LOAD, 1, 200, 5, multi_turn.QUICK, False, fleet.QUICK, 150)
 FULL = Sizes(1000, 256, 5, 600, 100, 5.0, (BUDGET_US, 500, 1000), 100, long_prompts.FULL, long_prompts.FULL_ROUNDS,
-             long_prompts.FULL_LOAD, 4, overhead.STEPS, 30, multi_turn.FULL, True, fleet.FULL)
+             long_prompts.FULL_LOAD, 4, overhead.STEPS, 30, multi_turn.FULL, True, fleet.FULL, 1500)
 
 
 def _modes(sizes: Sizes) -> list[Any]:
@@ -167,7 +170,7 @@ class _Timer:
 def _on_the_rig(results: dict[str, Any], sizes: Sizes, chosen: Sequence[str], t_start: float,
                 log: Callable[[str], None]) -> dict[str, Any]:
     """Scenarios (a)-(g) on one rig, in order; returns (a)'s raw latencies for the plots."""
-    from mooncake_lookout.connector.bench import burst, call, fault, per_step, sched, solo
+    from mooncake_lookout.connector.bench import burst, call, contention, fault, per_step, sched, solo
     from mooncake_lookout.connector.bench.rig import Rig
     from mooncake_lookout.connector.rigs.scheduler_driver import freeze_startup_heap
 
@@ -228,6 +231,9 @@ def _on_the_rig(results: dict[str, Any], sizes: Sizes, chosen: Sequence[str], t_
             step("g", "(g) multi-turn conversations through vLLM's scheduler"
                 + (", also in vLLM's key layout ..." if sizes.vllm_layout else " ..."))
             results["g"] = multi_turn.run(rig, sizes.conversations, layout=sizes.vllm_layout)
+        if "j" in chosen:
+            step("j", "(j) contention: CPU hogs on every core, then a GIL loop in the lookup server's process ...")
+            results["j"] = contention.run(rig, call_reqs, steps=sizes.contention_steps, log=log)
         step("rig-stop", "stopping the rig ...")
     step.stop()
     return raw_latency
@@ -257,7 +263,7 @@ def _json_default(obj: Any) -> Any:
 REPORT_BLOCKS: tuple[tuple[str, Callable[[dict[str, Any]], list[str]]], ...] = (
     ("floors", floors_block), ("a", a_block), ("a4", a4_block), ("backends", backends_block), ("b", b_block),
     ("c", c_block), ("d", d_block), ("e", e_block), ("f", f_block), ("f_load", f_load_block), ("g", g_block),
-    ("h", h_block))
+    ("j", j_block), ("h", h_block))
 
 
 def format_report(r: dict[str, Any]) -> str:

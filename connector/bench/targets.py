@@ -18,8 +18,8 @@ from mooncake_lookout.connector.bench.report import ratio as ratio_of
 AUTO = "ours budget auto"
 A4_K = 16  # the k of target a4
 F_SIZES = (8, 64, 512, 4096)
-TARGET_IDS = ("f8", "f64", "f512", "f4096", "f-delay", "a", "a4", "a2", "b", "c1", "c2", "d", "e", "g1", "g2",
-              "f-load", "h1", "h2")
+TARGET_IDS = ("f8", "f64", "f512", "f4096", "f-delay", "a", "a4", "a2", "b", "c1", "c2", "d", "e", "e-async", "g1",
+              "g2", "f-load", "j1", "j2", "j3", "j4", "j5", "j6", "j7", "j8", "h1", "h2")
 PRODUCTION_TELEMETRY = "production telemetry: vLLM's stats collector inline, spans sampled as the Helm chart samples"
 
 
@@ -189,6 +189,43 @@ def _f_load_target(r: dict[str, Any]) -> dict[str, Any]:
     return entry
 
 
+E_ASYNC_MS = 10.0  # an async poll with the store stopped: a socket check, never a wait (a loaded host's hiccup allowed)
+J_NO_ANSWER = 0.005  # share of lookups that may end without the store's answer under contention alone
+J_HIT_TOKENS = 0.99  # hit tokens kept, against the same run with no deadline
+
+
+def _j_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per contention and mode: lookups without the store's answer <= 0.5%; hit tokens >= 0.99x no deadline."""
+    out = []
+    n = 1
+    for cond in ("cpu hogs", "gil loop"):
+        variants = {v["label"]: v for v in r["j"]["conditions"].get(cond, {}).get("variants", [])}
+        for mode in ("async", "sync"):
+            ours, ref, up = (variants.get(f"ours {mode}"), variants.get(f"ours {mode}, no deadline"),
+                             variants.get(f"upstream {mode}"))
+            if ours is None or ref is None:
+                n += 2
+                continue
+            deadline = f"lookup_timeout_ms auto ({ours['timeout_ms']:g} ms), the breaker's defaults"
+            pct = None if ours["failed_share"] is None else 100 * ours["failed_share"]
+            entry = target(f"j{n}", f"{cond}, {mode}, {deadline}: lookups ended without the store's answer "
+                                    "(timeout + breaker_open + error), % of lookups", pct, None,
+                           vs="a bound", unit="%", limit=100 * J_NO_ANSWER, judged=pct, ratio=ours["failed_share"],
+                           bound=f"<= {J_NO_ANSWER:.1%}")
+            entry["failed"], entry["lookups"], entry["breaker_opened"] = (ours["failed"], ours["lookups"],
+                                                                          ours["breaker_opened"])
+            hits = ratio_of(ours["hit_tokens"], ref["hit_tokens"])
+            hit_entry = target(f"j{n + 1}", f"{cond}, {mode}: hit tokens, ours at its defaults / the same run with "
+                                            "no deadline (60 s, breaker off); upstream's client beside",
+                               ours["hit_tokens"], ref["hit_tokens"], vs="no deadline", unit="tokens",
+                               limit=-J_HIT_TOKENS,
+                               ratio=hits, judged=None if hits is None else -hits, bound=f">= {J_HIT_TOKENS:g}")
+            hit_entry["upstream_hit_tokens"] = None if up is None else up["hit_tokens"]
+            out += [entry, hit_entry]
+            n += 2
+    return out
+
+
 def _h_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     from mooncake_lookout.connector.bench.fleet_workloads import MULTI_TURN, SHARED_PREFIX
 
@@ -223,10 +260,18 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         found.append(_d_target(r))
     if has(r, "e", "stopped"):
         found.append(_e_target(r))
+    if has(r, "e", "stopped_async"):
+        a = r["e"]["stopped_async"]
+        found.append(target("e-async", f"store stopped, ours async at its default deadline ({a['deadline_ms']:g} ms): "
+                                       "the longest poll of the scheduler's (async never blocks)", a["longest_call_ms"],
+                            None, vs="a bound", unit="ms", limit=E_ASYNC_MS, ratio=None, judged=a["longest_call_ms"],
+                            bound=f"<= {E_ASYNC_MS:g} ms"))
     if has(r, "g", "backends", multi_turn.INDEX):
         found += _g_targets(r)
     if has(r, "f_load", "modes"):
         found.append(_f_load_target(r))
+    if has(r, "j", "conditions"):
+        found += _j_targets(r)
     if has(r, "h", "summary"):
         found += _h_targets(r)
     order = {id_: i for i, id_ in enumerate(TARGET_IDS)}

@@ -119,6 +119,8 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help=f"{MULTI_TURN}: conversations going on at once, their turns taken in turn (default 8)")
     p.add_argument("--budget-us", type=int, default=200, metavar="US",
                    help="lookup_wait_us of --mode budget (default 200)")
+    p.add_argument("--timeout-ms", type=float, default=None, metavar="MS",
+                   help="lookup_timeout_ms of our modes (default: the connector's auto, per mode)")
     p.add_argument("--model-step-ms", type=float, default=1.5, metavar="MS",
                    help="time a model step takes, between two scheduler steps (default 1.5)")
     p.add_argument("--keep-running", action="store_true",
@@ -165,7 +167,7 @@ def mode_label(name: str, budget_us: int) -> str:
     return f"ours budget {budget_us}us" if name == "budget" else f"ours {name}"
 
 
-def demo_modes(budget_us: int, only: str = ALL_MODES) -> list[Any]:
+def demo_modes(budget_us: int, only: str = ALL_MODES, timeout_ms: float | None = None) -> list[Any]:
     """The modes the demo runs: the first five of :data:`MODES` (vLLM's client and ours), or ``only`` one.
 
     They are bench scenario (c)'s modes, run by the same code (:func:`~mooncake_lookout.connector.bench.sched.
@@ -178,6 +180,8 @@ def demo_modes(budget_us: int, only: str = ALL_MODES) -> list[Any]:
         ours, config = MODES[name]
         if name == "budget":
             config = {**config, "lookup_wait_us": budget_us}
+        if ours and timeout_ms is not None:
+            config = {**config, "lookup_timeout_ms": timeout_ms}
         out.append(mode(mode_label(name, budget_us), ours, **config))
     return out
 
@@ -304,7 +308,7 @@ def _run(args: argparse.Namespace, stop: threading.Event, out: TextIO, console: 
         return 2
     try:
         say(f"metrics: {endpoint.url}")
-        modes = demo_modes(args.budget_us, args.mode)
+        modes = demo_modes(args.budget_us, args.mode, args.timeout_ms)
         upstream = any(not m.ours for m in modes)
         say("starting a Mooncake master, the lookup servers" + (" (vLLM's and ours)" if upstream else "")
             + " and vLLM's scheduler (first start ~15-40 s) ...")

@@ -36,6 +36,8 @@ this module rewrites each (or, with ``--check``, lists the stale ones and exits 
   (:mod:`~mooncake_lookout.connector.bench.soak_tables`).
 * ``server-bounds`` (docs/security.md): the lookup server's bounds and their ``serve`` flags, from
   :class:`~mooncake_lookout.connector.server.limits.Limits`;
+* ``bench-contention`` (docs/tuning.md): from the committed contention run ``docs/bench/contention.json`` (the
+  ``bench.json`` of ``mooncake-lookout bench --only e,j``, :mod:`~mooncake_lookout.connector.bench.doc_contention`);
 * ``bench-security-curve`` and ``bench-security-flood`` (docs/security.md): from the committed security run
   ``docs/bench/security.json`` (``record security``: what ``python -m mooncake_lookout.connector.bench.security``
   wrote, :mod:`~mooncake_lookout.connector.bench.security_tables`).
@@ -55,7 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mooncake_lookout.connector.bench import doc_fleet, doc_tables, security_tables, soak_tables
+from mooncake_lookout.connector.bench import doc_contention, doc_fleet, doc_tables, security_tables, soak_tables
 from mooncake_lookout.connector.bench.records import Run, load_demo, load_runs, load_soaks
 from mooncake_lookout.connector.cli import record, size
 from mooncake_lookout.connector.config import KEYS
@@ -336,6 +338,8 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/tuning.md", "bench-modes", _bench(doc_tables.render_modes)),
     Block("docs/tuning.md", "bench-figures", _bench(doc_tables.render_tuning_figures)),
     Block("docs/tuning.md", "bench-multi-turn", _bench(doc_tables.render_multi_turn)),
+    Block("docs/tuning.md", "bench-contention",
+          lambda root: doc_contention.render_contention(doc_contention.load_contention(root))),
     Block("docs/bench-results.md", "bench-runs", _bench(doc_tables.render_runs)),
     Block("docs/bench-results.md", "bench-targets", _bench(doc_tables.render_targets_summary)),
     Block("docs/bench-results.md", "bench-targets-per-run", _bench(doc_tables.render_targets_per_run)),

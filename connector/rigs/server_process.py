@@ -99,6 +99,9 @@ class ServerProcess:
     ``keep_epoch``: our server keeps the store's epoch marker (clients' prefix caches on; see the module
     docstring). Counts of the store calls the servers made: :meth:`store_counts`.
 
+    ``gil_busy``: the child also runs a pure-Python busy loop on a thread (the GIL taken from the servers as a
+    model runner's Python thread takes it in vLLM's rank-0 worker; bench scenario (j)).
+
     ``standby``: keep the next child already spawned and imported, waiting for a word on stdin, so a
     restart costs a bind (~0.1 s) instead of an interpreter and a vLLM import. What a restart measures
     is then the client's recovery, not Python's start-up.
@@ -113,7 +116,7 @@ class ServerProcess:
                  delay_ms: float = 0.0, delay_on: bool = False, reset_delay_ms: float = 0.0,
                  store_rpc_timeout_ms: int | None = 1000, start_timeout_s: float = 90.0,
                  standby: bool = True, layout: Any = None, keep_epoch: bool = False,
-                 server_options: dict[str, Any] | None = None) -> None:
+                 server_options: dict[str, Any] | None = None, gil_busy: bool = False) -> None:
         self.transports = (transports,) if isinstance(transports, str) else tuple(transports)
         unknown = [t for t in self.transports if t not in TRANSPORTS]
         if unknown or not self.transports:
@@ -132,6 +135,7 @@ class ServerProcess:
         self.use_standby = standby
         self.layout = layout  # a vllm_layout.Layout: serve a vLLM deployment's keys, read-only
         self.keep_epoch = keep_epoch
+        self.gil_busy = gil_busy
         self.server_options = dict(server_options or {})
         unknown_options = set(self.server_options) - set(_SERVER_OPTIONS)
         if unknown_options:
@@ -189,6 +193,8 @@ class ServerProcess:
                      "--tp-size", str(self.layout.tp_size)]
         if self.keep_epoch:
             argv.append("--keep-epoch")
+        if self.gil_busy:
+            argv.append("--gil-busy")
         if standby:
             argv.append("--wait-go")
         if PIPELINED in self.transports:
@@ -337,6 +343,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--curve-secret-key", default=None, help="pipelined: the server's CURVE key pair file")
     p.add_argument("--curve-allowed-clients", default=None, help="pipelined: the CURVE client keys admitted")
     add_limit_arguments(p.add_argument_group("pipelined: what may wait in the server"))
+    p.add_argument("--gil-busy", action="store_true",
+                   help="run a pure-Python busy loop on a thread of this process, holding the GIL as a model "
+                        "runner's Python thread does beside the lookup server in vLLM's rank-0 worker")
     p.add_argument("--wait-go", action="store_true",
                    help="standby: import everything, print 'ready', then wait for a line on stdin before serving")
     return p.parse_args(argv)
@@ -364,6 +373,14 @@ def _start_servers(args: argparse.Namespace, backend: Any, worker: Any = None) -
         servers[PIPELINED] = LookupServer(backend, args.address or None, marker=worker is None or args.keep_epoch,
                                           **options).start()
     return servers
+
+
+def _busy(stop: threading.Event) -> None:
+    """Pure Python, never blocking: it holds the GIL but for the interpreter's switch interval (5 ms)."""
+    n = 0
+    while not stop.is_set():
+        for _ in range(10_000):
+            n += 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -415,6 +432,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(DELAY_OFF_SIGNAL, lambda *_: switch(False))
     signal.signal(COUNTS_SIGNAL, lambda *_: report_counts())
     servers = _start_servers(args, backend, worker)
+    if args.gil_busy:
+        threading.Thread(target=_busy, args=(stop,), name="gil-busy", daemon=True).start()
     print(READY_PREFIX + " ".join(f"{name}={server.address}" for name, server in servers.items()), flush=True)
     try:
         while not stop.wait(0.5):

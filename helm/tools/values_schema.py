@@ -39,6 +39,8 @@ LOOKUP_LIMITS: dict[str, dict[str, Any]] = {
     "lookup_prefix_cache_confirm_ms": {"minimum": 0, "maximum": 60_000},
     "lookup_reset_timeout_s": {"exclusiveMinimum": 0, "maximum": 3600},
     "lookup_breaker_failures": {"minimum": 1, "maximum": 10_000},
+    "lookup_breaker_failure_rate": {"exclusiveMinimum": 0, "maximum": 1},
+    "lookup_breaker_window_s": {"exclusiveMinimum": 0, "maximum": 3600},
     "lookup_breaker_cooldown_s": {"exclusiveMinimum": 0, "maximum": 3600},
     "lookup_transport": {"enum": list(TRANSPORTS)},
     # One line each: "not" a newline anywhere, since "$" also matches before a final newline in some engines.
