@@ -175,6 +175,8 @@ def test_the_pod_command_finds_and_probes_the_lookup_server(prefix_index, lookup
         done = subprocess.run(shell, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ok    server pipelined wire: 20/20 answered" in done.stdout and "1 ok, 0 failed" in done.stdout
-    # Without the server, the same command fails (the glob matches nothing: doctor gets a path with no socket).
+    # Without the server, the same command fails, and says why: the glob matched no socket (doctor names the
+    # pattern instead of probing a path that is not there).
     failed = subprocess.run(shell, capture_output=True, text=True, timeout=120, env=env)
-    assert failed.returncode != 0 and "FAIL  server pipelined wire" in failed.stdout
+    assert failed.returncode != 0 and "FAIL  server address" in failed.stdout, failed.stdout
+    assert "shell pattern that matched no socket" in failed.stdout, failed.stdout
