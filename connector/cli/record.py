@@ -6,7 +6,8 @@ them (``python -m mooncake_lookout.connector.cli.docs``; a test fails when they 
 
 * ``demo``: runs ``bash scripts/demo.sh --duration small`` in this checkout, as the README says, and writes its
   whole output (stdout and stderr, merged in the order they came) to ``docs/bench/demo.txt`` under one line
-  that says when, on which commit and under which load it ran;
+  that says when, on which commit and under which load it ran; ``engine-demo`` does the same for ``bash
+  scripts/demo.sh --engine`` (real engines), to ``docs/bench/engine-demo.txt``;
 * ``sink-cost``: what telemetry costs per lookup (:mod:`mooncake_lookout.metrics.sink_cost`), to
   ``docs/bench/sink-cost.json``;
 * ``security``: what CURVE and the per-peer bounds cost and buy (:mod:`~..bench.security`, full sizes), to
@@ -32,25 +33,27 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mooncake_lookout.connector.bench.records import DEMO_FILE, RUNS_DIR
+from mooncake_lookout.connector.bench.records import DEMO_FILE, ENGINE_DEMO_FILE, RUNS_DIR
 from mooncake_lookout.connector.rigs.machine import CHECKOUT, commit, load_average, machine
 
 DEMO_ARGS = ("--duration", "small")
+ENGINE_DEMO_ARGS = ("--engine",)  # every mode, the default duration: the engines' start-up is most of it
 FIRST_RUN_FILE = RUNS_DIR / "first-run.json"
 SINK_COST_FILE = RUNS_DIR / "sink-cost.json"
 SECURITY_FILE = RUNS_DIR / "security.json"
 SETUP_DONE = "[setup] done"
 
 
-def demo_command() -> str:
+def demo_command(args: tuple[str, ...] = DEMO_ARGS) -> str:
     """The command a newcomer types, as recorded."""
-    return "bash scripts/demo.sh " + " ".join(DEMO_ARGS)
+    return "bash scripts/demo.sh " + " ".join(args)
 
 
-def run_demo_script(root: Path, env: dict[str, str] | None = None, timeout_s: float = 3600) -> dict[str, Any]:
+def run_demo_script(root: Path, env: dict[str, str] | None = None, timeout_s: float = 3600,
+                    args: tuple[str, ...] = DEMO_ARGS) -> dict[str, Any]:
     """Run the demo script in ``root``: its merged output lines, exit code, seconds to the set-up's end, in all."""
     t0 = time.monotonic()
-    proc = subprocess.Popen(["bash", "scripts/demo.sh", *DEMO_ARGS], cwd=root, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(["bash", "scripts/demo.sh", *args], cwd=root, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
     setup_s = None
@@ -66,23 +69,28 @@ def run_demo_script(root: Path, env: dict[str, str] | None = None, timeout_s: fl
     return {"lines": lines, "code": code, "setup_s": setup_s, "total_s": time.monotonic() - t0}
 
 
-def provenance(m: dict[str, Any], load_end: list[float]) -> str:
+def provenance(m: dict[str, Any], load_end: list[float], args: tuple[str, ...] = DEMO_ARGS) -> str:
     """The first line of a recorded output: command, date, commit, machine, load average at start and end."""
-    return (f"# {demo_command()}: {m['date']}, commit {m['commit']}, {m['cpus']} CPUs, load average (1 min) "
+    return (f"# {demo_command(args)}: {m['date']}, commit {m['commit']}, {m['cpus']} CPUs, load average (1 min) "
             f"{m['loadavg_at_start'][0]:.2f} -> {load_end[0]:.2f}; its whole output, stdout and stderr as they came")
 
 
-def record_demo(root: Path = CHECKOUT) -> int:
-    """Run the demo script here and write ``docs/bench/demo.txt``."""
+def record_demo(root: Path = CHECKOUT, args: tuple[str, ...] = DEMO_ARGS, file: Path = DEMO_FILE) -> int:
+    """Run the demo script here (with ``args``) and write its output to ``file`` (``docs/bench/demo.txt``)."""
     m = machine()
-    run = run_demo_script(root)
+    run = run_demo_script(root, args=args)
     if run["code"] != 0:
         print("\n".join(run["lines"][-30:]), file=sys.stderr)
         print(f"record: the demo exited with {run['code']}; nothing written", file=sys.stderr)
         return 1
-    (root / DEMO_FILE).write_text(provenance(m, load_average()) + "\n" + "\n".join(run["lines"]) + "\n")
-    print(f"wrote {DEMO_FILE}")
+    (root / file).write_text(provenance(m, load_average(), args) + "\n" + "\n".join(run["lines"]) + "\n")
+    print(f"wrote {file}")
     return 0
+
+
+def record_engine_demo(root: Path = CHECKOUT) -> int:
+    """Run ``bash scripts/demo.sh --engine`` here and write ``docs/bench/engine-demo.txt``."""
+    return record_demo(root, ENGINE_DEMO_ARGS, ENGINE_DEMO_FILE)
 
 
 def _wheels_bytes(venv: Path, scratch: Path) -> tuple[int, int]:
@@ -197,7 +205,8 @@ def render_first_run(data: dict[str, Any]) -> str:
             f"(`{FIRST_RUN_FILE}`, by `python -m mooncake_lookout.connector.cli.record first-run`.)\n")
 
 
-RECORDERS = {"demo": record_demo, "first-run": record_first_run, "sink-cost": record_sink_cost,
+RECORDERS = {"demo": record_demo, "engine-demo": record_engine_demo, "first-run": record_first_run,
+             "sink-cost": record_sink_cost,
              "security": record_security}
 
 
@@ -216,9 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-__all__ = ["FIRST_RUN_FILE", "RECORDERS", "SECURITY_FILE", "SINK_COST_FILE", "demo_command", "load_recorded", "main",
-           "provenance", "record_demo", "record_first_run", "record_security", "record_sink_cost", "render_first_run",
-           "render_sink_cost", "run_demo_script", "where"]
+__all__ = ["ENGINE_DEMO_ARGS", "FIRST_RUN_FILE", "RECORDERS", "SECURITY_FILE", "SINK_COST_FILE", "demo_command",
+           "load_recorded", "main", "provenance", "record_demo", "record_engine_demo", "record_first_run",
+           "record_security", "record_sink_cost", "render_first_run", "render_sink_cost", "run_demo_script", "where"]
 
 if __name__ == "__main__":
     sys.exit(main())
