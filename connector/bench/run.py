@@ -136,7 +136,8 @@ def run_bench(out_dir: str, *, quick: bool = False, only: Sequence[str] | None =
         from mooncake_lookout.connector.rigs.machine import CHECKOUT
 
         step = _Timer(results, log)
-        step("i", f"(i) real vllm serve engines, ours and upstream's in turns ({', '.join(sizes.engine.pairs)}) ...")
+        waves = " | ".join(", ".join(w) for w in sizes.engine.waves)
+        step("i", f"(i) real vllm serve engines in turns, waves {waves} ...")
         results["i"] = real_engine.run(sizes.engine, CHECKOUT, log=log)
         step.stop()
     results["machine"]["loadavg_at_end"] = list(os.getloadavg())

@@ -24,7 +24,9 @@ this module rewrites each (or, with ``--check``, lists the stale ones and exits 
   (docs/bench-results.md), ``bench-sizing`` (docs/operations.md) and ``bench-fleet-helm`` (docs/helm.md), the last
   three by :mod:`~mooncake_lookout.connector.bench.doc_fleet`.
   To publish new runs: ``mooncake-lookout bench --out out-K``, copy each ``out-K/bench.json`` to
-  ``docs/bench/run-K.json`` (remove runs that are not replaced), then run this module;
+  ``docs/bench/run-K.json`` (remove runs that are not replaced), then run this module; ``bench-engine``
+  (docs/bench-results.md), scenario (i) on real engines, from a run of its own, ``docs/bench/engine-i.json``
+  (:mod:`~mooncake_lookout.connector.bench.doc_engine`);
 * ``demo-output``, ``engine-demo-output`` and ``first-run`` (README): what a newcomer sees and pays, from
   ``docs/bench/demo.txt``, ``docs/bench/engine-demo.txt`` and
   ``docs/bench/first-run.json``; ``sink-cost`` (docs/metrics.md), from ``docs/bench/sink-cost.json`` (each recorded
@@ -53,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mooncake_lookout.connector.bench import doc_fleet, doc_tables, security_tables, soak_tables
+from mooncake_lookout.connector.bench import doc_engine, doc_fleet, doc_tables, security_tables, soak_tables
 from mooncake_lookout.connector.bench.records import ENGINE_DEMO_FILE, Run, load_demo, load_runs, load_soaks
 from mooncake_lookout.connector.cli import record
 from mooncake_lookout.connector.config import KEYS
@@ -339,6 +341,8 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/bench-results.md", "bench-scenarios", _bench(doc_tables.render_scenarios)),
     Block("docs/bench-results.md", "bench-reports", _bench(doc_tables.render_reports)),
     Block("docs/bench-results.md", "bench-fleet", _bench(doc_fleet.render_fleet)),
+    Block("docs/bench-results.md", "bench-engine", lambda root: doc_engine.render_engine_run(
+        doc_engine.load_engine_run(root))),
     Block("docs/operations.md", "bench-sizing", _bench(doc_fleet.render_sizing)),
     Block("docs/helm.md", "bench-fleet-helm", _bench(doc_fleet.render_helm_fleet)),
     Block("docs/reliability.md", "soak-table", lambda root: soak_tables.render_soak_table(load_soaks(root))),
