@@ -16,7 +16,7 @@ import pytest
 from mooncake_lookout.connector.bench import real_engine
 from mooncake_lookout.connector.bench.report import i_block
 from mooncake_lookout.connector.bench.targets import targets
-from mooncake_lookout.connector.rigs import lookup_timing
+from mooncake_lookout.connector.rigs import engine_timing
 from mooncake_lookout.connector.rigs.machine import CHECKOUT
 from mooncake_lookout.connector.rigs.served_engine import engine_python
 
@@ -62,9 +62,14 @@ def test_targets_i1_to_i4_are_computed_from_the_run(results: dict) -> None:
 def test_the_timing_hook_patches_vllms_scheduler_only_when_asked(tmp_path: Path) -> None:
     python = engine_python(CHECKOUT)
     probe = "import vllm.v1.core.sched.scheduler as s; print(s.Scheduler.schedule.__name__)"
-    env = {"PYTHONPATH": str(lookup_timing.FOLDER), "HF_HUB_OFFLINE": "1"}
+    env = {"PYTHONPATH": str(engine_timing.FOLDER), "HF_HUB_OFFLINE": "1"}
     on = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=120,
-                        env={**env, lookup_timing.ENV: str(tmp_path)})
+                        env={**env, engine_timing.ENV: str(tmp_path)})
     off = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=120, env=env)
     assert on.stdout.split() == ["patched_schedule"], on.stderr[-2000:]
     assert off.stdout.split() == ["schedule"], off.stderr[-2000:]
+
+
+def test_engines_of_a_wave_take_turns_forwards_then_backwards() -> None:
+    assert [real_engine.seats(2, k) for k in range(4)] == [[0, 1], [1, 0], [0, 1], [1, 0]]  # ABBA
+    assert [real_engine.seats(3, k) for k in range(2)] == [[0, 1, 2], [2, 1, 0]]

@@ -12,7 +12,7 @@ reusable prefix is the store's to serve.
 Per engine: the time to first token of every request (streamed completions), the prompt tokens served from the
 store (vLLM's ``vllm:external_prefix_cache_hits_total``), ours' lookups by outcome, and the time vLLM's
 engine-core thread spent inside the connector's lookup calls per scheduler step, measured the same way for both
-by :mod:`~..rigs.lookup_timing` (a ``sitecustomize`` on the engines' ``PYTHONPATH``, for this run only: it
+by :mod:`~..rigs.engine_timing` (a ``sitecustomize`` on the engines' ``PYTHONPATH``, for this run only: it
 times ``get_num_new_matched_tokens`` and ``on_new_request`` and counts ``schedule`` calls, changing nothing);
 ours' own ``scheduler_blocked_seconds`` is kept beside it as a check. Waves (engines alive together, at most
 three): both blocking (the defaults), then upstream's async beside ours async and ours with the wait budget
@@ -21,7 +21,6 @@ three): both blocking (the defaults), then upstream's async beside ours async an
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 import time
@@ -41,7 +40,7 @@ from mooncake_lookout.connector.bench.http_load import (
     total,
 )
 from mooncake_lookout.connector.bench.turns import abba_seat
-from mooncake_lookout.connector.rigs import lookup_timing
+from mooncake_lookout.connector.rigs import engine_timing
 from mooncake_lookout.connector.rigs.served_engine import (
     BLOCK_SIZE,
     OURS,
@@ -93,18 +92,6 @@ FULL = EngineSizes((("upstream sync", "ours sync"), ("upstream async", "ours asy
                    context_blocks=4, turn_tokens=64)
 
 
-def _timing(folder: Path) -> dict[str, float]:
-    """The lookup-timing hook's totals, summed over the files its processes wrote (the engine core's)."""
-    out: dict[str, float] = {}
-    for path in folder.glob("*.json"):
-        try:
-            for k, v in json.loads(path.read_text()).items():
-                out[k] = out.get(k, 0.0) + v
-        except (OSError, ValueError):
-            continue
-    return out
-
-
 class _Side:
     """One engine of a wave and what it measured, workload by workload."""
 
@@ -119,7 +106,7 @@ class _Side:
 
     def mark(self) -> None:
         """Scrape now: the start of a workload's deltas."""
-        self._page, self._times, self._requests = scrape(self.engine.url), _timing(self.timing_dir), 0
+        self._page, self._times, self._requests = scrape(self.engine.url), engine_timing.read_totals(self.timing_dir), 0
 
     def add(self, name: str, load: LoadResult) -> None:
         """Count one turn's load into workload ``name``."""
@@ -137,7 +124,7 @@ class _Side:
             time.sleep(0.2)
         time.sleep(0.5)  # the timing hook writes every 0.2 s
         self.counts[name] = delta(page, self._page)
-        after = _timing(self.timing_dir)
+        after = engine_timing.read_totals(self.timing_dir)
         self.timing[name] = {k: v - self._times.get(k, 0.0) for k, v in after.items()}
 
     def result(self) -> dict[str, Any]:
@@ -202,7 +189,7 @@ def run_wave(labels: tuple[str, ...], sizes: EngineSizes, python: Path, model: P
         folder = workdir / spec.label.replace(" ", "-")
         timing = folder / "timing"
         timing.mkdir(parents=True, exist_ok=True)
-        env = {"PYTHONPATH": str(lookup_timing.FOLDER), lookup_timing.ENV: str(timing)}
+        env = {"PYTHONPATH": str(engine_timing.FOLDER), engine_timing.ENV: str(timing)}
         sides.append(_Side(ServedEngine(python, model, spec, mooncake_config(master_address), folder, env=env), timing))
     try:
         t0 = time.perf_counter()
