@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's first command: install what the demo needs (idempotent: bash scripts/setup.sh --demo, no test tools),
-# then run the demo on an embedded Mooncake master; with --engine, also the engine venv (scripts/setup-engine.sh).
+# then run the demo on an embedded Mooncake master.
 # --help (or -h) anywhere prints scripts/demo-help.txt (generated from the demo's flags) and installs nothing.
+# --engine (real vllm serve engines) also installs the engine's venv (bash scripts/setup-engine.sh).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 engine=0
@@ -13,10 +14,8 @@ for arg in "$@"; do
 done
 cd "$here"
 bash scripts/setup.sh --demo
-# --engine: real vllm serve engines, in the engine venv (vLLM's CPU build; shared by the machine's clones).
 if [ "$engine" = 1 ]; then
-  LOOKOUT_ENGINE_PYTHON=$(bash scripts/setup-engine.sh)
-  export LOOKOUT_ENGINE_PYTHON
+  bash scripts/setup-engine.sh >/dev/null
 fi
 export PATH="$here/.venv/bin:$PATH"
 export HF_HUB_OFFLINE=1 MC_LOG_LEVEL=ERROR

@@ -8,10 +8,12 @@ case "${1:-}" in
 usage: bash scripts/test.sh [PYTEST ARGS...]
 
 Installs everything on its first run (bash scripts/setup.sh: the Debian packages as root, a .venv with vLLM's
-CPU recipe and the Mooncake wheel, helm; later runs skip what is done), then runs the whole suite in two parts,
-each with pytest -q -rfE --durations=15 (the slowest tests named, to keep the suite short):
+CPU recipe and the Mooncake wheel, the real engine's venv, helm; later runs skip what is done), then runs the
+whole suite in three parts, each with pytest -q -rfE --durations=15 (the slowest tests named, to keep it short):
   1. the tests that bound no time, two at a time (pytest-xdist, one test file per worker);
-  2. the tests marked "timed" (a deadline, a slack, a measured share: pyproject.toml's markers), one at a time
+  2. the tests marked "engine" (real vllm serve engines, ~3.2 GB each), one file at a time with nothing else
+     running, so that the engines a file starts together are all the memory and CPU in use;
+  3. the tests marked "timed" (a deadline, a slack, a measured share: pyproject.toml's markers), one at a time
      with nothing else running, so that a bound is judged on a quiet machine.
 Arguments go to pytest, and then the tests they select run in one part, one at a time, e.g.:
   bash scripts/test.sh tests/test_cli.py -k serve
@@ -37,10 +39,11 @@ if [ "$#" -gt 0 ]; then
   run_pytest "$@"
   exit
 fi
-untimed=0 timed=0
-run_pytest -m "not timed" -n 2 --dist loadfile || untimed=$?
-run_pytest -m timed || timed=$?
-if [ "$untimed" -ne 0 ] || [ "$timed" -ne 0 ]; then
-  echo "failed: the untimed part exited $untimed, the timed part $timed" >&2
+untimed=0 engine=0 timed=0
+run_pytest -m "not timed and not engine" -n 2 --dist loadfile || untimed=$?
+run_pytest -m engine || engine=$?
+run_pytest -m "timed and not engine" || timed=$?
+if [ "$untimed" -ne 0 ] || [ "$engine" -ne 0 ] || [ "$timed" -ne 0 ]; then
+  echo "failed: the untimed part exited $untimed, the engine part $engine, the timed part $timed" >&2
   exit 1
 fi

@@ -23,6 +23,9 @@ make_hashes          function ``workload.unique_hashes`` (one cold chain of bloc
 require_tool         session  ``require_tool(name)``: a binary's path, or a test FAILURE naming the fix (never a skip)
 promtool             session  Debian's promtool with the checks several files share (rules, metrics text)
 prometheus_binary    session  the path of Debian's ``prometheus`` (fails the test when missing)
+tiny_model           session  a tiny Llama and tokenizer made with a fixed seed in the engine venv (rigs/tiny_model)
+engine_store         module   a fresh master and a segment owner for real engines in standalone-store mode (their
+                              KV outlives them); yields the master (pass ``rpc_address`` to rigs.engine.Engine)
 """
 
 from __future__ import annotations
@@ -224,3 +227,25 @@ def promtool() -> Promtool:
 def prometheus_binary() -> str:
     """The path of Debian's ``prometheus`` server (a missing one fails the test)."""
     return _require_tool("prometheus")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's folder, made once per session by the engine venv's python (torch, transformers)."""
+    from mooncake_lookout.connector.rigs.engine import engine_python
+
+    out = tmp_path_factory.mktemp("tiny-model")
+    done = subprocess.run([str(engine_python()), "-m", "mooncake_lookout.connector.rigs.tiny_model", str(out)],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine_store() -> Iterator[EmbeddedMaster]:
+    """A master of the module's own and a process lending it memory: engines in standalone-store mode save there."""
+    from mooncake_lookout.connector.rigs.segment_owner import SegmentOwner
+
+    with EmbeddedMaster() as master, SegmentOwner(master.rpc_address):
+        yield master

@@ -1,4 +1,5 @@
-"""The suite's two parts (scripts/test.sh): a test that times something runs in the timed part, alone.
+"""The suite's parts (scripts/test.sh): a test that times something runs in the timed part, alone; a test that
+starts real engines runs in the engine part.
 
 The untimed part runs two test files at a time. A bound on a call's duration judged there would be judged on a
 machine the other file is loading, and a flaky test blocks every later landing. So a module that measures a call
@@ -29,11 +30,11 @@ def _names(tree: ast.AST) -> set[str]:
            {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
 
 
-def _marked_timed(tree: ast.Module) -> bool:
+def _marked_timed(tree: ast.Module, marker: str = "timed") -> bool:
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark"
                                                 for t in node.targets):
-            return any(isinstance(n, ast.Attribute) and n.attr == "timed" for n in ast.walk(node.value))
+            return any(isinstance(n, ast.Attribute) and n.attr == marker for n in ast.walk(node.value))
     return False
 
 
@@ -42,6 +43,14 @@ def test_a_module_that_times_a_call_runs_in_the_timed_part(path: Path) -> None:
     tree = ast.parse(path.read_text())
     clocks = sorted(set(CLOCKS) & _names(tree))
     assert not clocks or _marked_timed(tree), f"{path.name} reads {', '.join(clocks)}: mark it pytest.mark.timed"
+
+
+@pytest.mark.parametrize("path", sorted(TESTS.glob("test_*.py")), ids=lambda p: p.name)
+def test_a_module_that_starts_engines_runs_in_the_engine_part(path: Path) -> None:
+    """Real engines (~3.2 GB each) never run beside another test file: a module using the engine rig is marked."""
+    tree = ast.parse(path.read_text())
+    uses = {"Engine", "start_all"} & _names(tree)
+    assert not uses or _marked_timed(tree, "engine"), f"{path.name} uses {', '.join(sorted(uses))}: mark it engine"
 
 
 

@@ -13,7 +13,10 @@ Everything here is real and local (real parts, not mocks), started and stopped b
 * :mod:`.scheduler_driver`: vLLM's real V1 scheduler on CPU, stepped by hand;
 * :mod:`.workload`: deterministic shared-prefix requests;
 * :mod:`.vllm_lookup_server`: vLLM's own ``LookupKeyServer`` over a prefix index;
-* :mod:`.rpc_base_path`: the one place that sets ``VLLM_RPC_BASE_PATH``.
+* :mod:`.rpc_base_path`: the one place that sets ``VLLM_RPC_BASE_PATH`` (in this process; an
+  :class:`~.engine.Engine` sets it in its own child's environment);
+* :mod:`.engine`: :class:`~.engine.Engine`, a real ``vllm serve`` on CPU from the engine venv;
+  :mod:`.tiny_model`: its model and tokenizer, made locally; :mod:`.segment_owner`: memory for the store.
 
 The runtime never imports this package. Modules are imported on use (some import vLLM).
 """
@@ -23,7 +26,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_HOMES = {"ChildProcess": "processes", "EmbeddedMaster": "master", "FaultRig": "soak", "InjectedDelayBackend": "faults",
+_HOMES = {"ChildProcess": "processes", "EmbeddedMaster": "master", "Engine": "engine", "FaultRig": "soak",
+          "InjectedDelayBackend": "faults", "SegmentOwner": "segment_owner",
           "MasterError": "master", "SchedulerDriver": "scheduler_driver", "ServerProcess": "server_process",
           "UpstreamLookupServer": "vllm_lookup_server", "WorkloadRequest": "workload", "run_soak": "soak",
           "shared_prefix_workload": "workload"}
