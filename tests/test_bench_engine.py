@@ -17,13 +17,14 @@ from mooncake_lookout.connector.bench import real_engine
 from mooncake_lookout.connector.bench.report import i_block
 from mooncake_lookout.connector.bench.targets import targets
 from mooncake_lookout.connector.rigs import engine_timing
-from mooncake_lookout.connector.rigs.machine import CHECKOUT
-from mooncake_lookout.connector.rigs.served_engine import engine_python
+from mooncake_lookout.connector.rigs.engine import engine_python
+
+pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    return {"i": real_engine.run(real_engine.QUICK, CHECKOUT, log=print)}
+    return {"i": real_engine.run(real_engine.QUICK, log=print)}
 
 
 def test_both_connectors_served_every_request_with_store_hits(results: dict) -> None:
@@ -60,7 +61,7 @@ def test_targets_i1_to_i4_are_computed_from_the_run(results: dict) -> None:
 
 
 def test_the_timing_hook_patches_vllms_scheduler_only_when_asked(tmp_path: Path) -> None:
-    python = engine_python(CHECKOUT)
+    python = engine_python()
     probe = "import vllm.v1.core.sched.scheduler as s; print(s.Scheduler.schedule.__name__)"
     env = {"PYTHONPATH": str(engine_timing.FOLDER), "HF_HUB_OFFLINE": "1"}
     on = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=120,

@@ -15,10 +15,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from mooncake_lookout.connector.cli import demo_engine_table
 from mooncake_lookout.connector.rigs.processes import process_state
 
 SCRIPT = Path(sys.executable).parent / "mooncake-lookout"
+pytestmark = pytest.mark.engine
 ROW = re.compile(r"^ours auto\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+(\d+) /\s+(\d+)\s+(\d+)\s+(.*)$")
 
 
@@ -52,6 +55,6 @@ def test_demo_engine_refuses_the_budget_mode_before_starting_anything() -> None:
 
 
 def test_demo_engine_without_an_engine_venv_says_how_to_make_one(tmp_path: Path) -> None:
-    done = _demo("--engine", env={"LOOKOUT_ENGINE_PYTHON": str(tmp_path / "none")}, timeout_s=60)
+    done = _demo("--engine", env={"LOOKOUT_ENGINE_VENV": str(tmp_path / "none")}, timeout_s=60)
     assert done.returncode == 2, done.stdout + done.stderr
-    assert f"no engine python at {tmp_path / 'none'}" in done.stdout and "setup-engine.sh" in done.stdout
+    assert f"no engine venv at {tmp_path / 'none'}" in done.stdout and "setup-engine.sh" in done.stdout

@@ -41,23 +41,14 @@ from mooncake_lookout.connector.bench.http_load import (
 )
 from mooncake_lookout.connector.bench.turns import abba_seat
 from mooncake_lookout.connector.rigs import engine_timing
-from mooncake_lookout.connector.rigs.served_engine import (
-    BLOCK_SIZE,
-    OURS,
-    UPSTREAM,
-    EngineSpec,
-    ServedEngine,
-    engine_python,
-    make_tiny_model,
-    mooncake_config,
-)
+from mooncake_lookout.connector.rigs.engine_specs import BLOCK_SIZE, LOOKOUT, UPSTREAM, EngineSpec, build, make_model
 
 ENGINES: dict[str, EngineSpec] = {s.label: s for s in (
     EngineSpec("upstream sync", UPSTREAM, {"lookup_async": False}),
-    EngineSpec("ours sync", OURS, {"lookup_async": False}),
+    EngineSpec("ours sync", LOOKOUT, {"lookup_async": False}),
     EngineSpec("upstream async", UPSTREAM, {"lookup_async": True}),
-    EngineSpec("ours async", OURS, {"lookup_async": True}),
-    EngineSpec("ours auto", OURS, {"lookup_async": True, "lookup_wait_us": "auto"}))}
+    EngineSpec("ours async", LOOKOUT, {"lookup_async": True}),
+    EngineSpec("ours auto", LOOKOUT, {"lookup_async": True, "lookup_wait_us": "auto"}))}
 HITS = "vllm:external_prefix_cache_hits_total"
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 SUCCESS = "vllm:request_success_total"
@@ -95,8 +86,8 @@ FULL = EngineSizes((("upstream sync", "ours sync"), ("upstream async", "ours asy
 class _Side:
     """One engine of a wave and what it measured, workload by workload."""
 
-    def __init__(self, engine: ServedEngine, timing_dir: Path) -> None:
-        self.engine, self.timing_dir = engine, timing_dir
+    def __init__(self, spec: EngineSpec, engine: Any, timing_dir: Path) -> None:
+        self.spec, self.engine, self.timing_dir = spec, engine, timing_dir
         self.loads: dict[str, LoadResult] = {}
         self.counts: dict[str, dict[str, float]] = {}
         self.timing: dict[str, dict[str, float]] = {}
@@ -129,8 +120,9 @@ class _Side:
 
     def result(self) -> dict[str, Any]:
         """This engine's figures, per workload and over both."""
-        spec = self.engine.spec
-        out: dict[str, Any] = {"label": spec.label, "ours": spec.ours, "ready_s": self.engine.ready_s, "workloads": {}}
+        spec = self.spec
+        out: dict[str, Any] = {"label": spec.label, "ours": spec.ours, "ready_s": self.engine.start_seconds,
+                               "workloads": {}}
         every = LoadResult()
         sums = {"hit_tokens": 0.0, "prompt_tokens": 0.0, "lookup_s": 0.0, "steps": 0.0, "off_thread_s": 0.0,
                 "exported_blocked_s": 0.0}
@@ -179,24 +171,21 @@ def _turns(sides: list[_Side], name: str, rounds: list[list[list[list[int]]]], s
         side.close(name)
 
 
-def run_wave(labels: tuple[str, ...], sizes: EngineSizes, python: Path, model: Path, master_address: str,
-             workdir: Path, log: Callable[[str], None]) -> dict[str, Any]:
+def run_wave(labels: tuple[str, ...], sizes: EngineSizes, model: Path, master_address: str, workdir: Path,
+             log: Callable[[str], None]) -> dict[str, Any]:
     """One wave (upstream's engine, then ours) started together, both workloads in turns; each engine's figures."""
+    from mooncake_lookout.connector.rigs.engine import start_all, stop_all
+
     sides = []
     for label in labels:
         spec = ENGINES[label]
-        spec = EngineSpec(label, spec.connector, {**spec.extra, "cache_prefix": f"bench-{label.replace(' ', '-')}"})
-        folder = workdir / spec.label.replace(" ", "-")
-        timing = folder / "timing"
+        timing = workdir / spec.slug
         timing.mkdir(parents=True, exist_ok=True)
         env = {"PYTHONPATH": str(engine_timing.FOLDER), engine_timing.ENV: str(timing)}
-        sides.append(_Side(ServedEngine(python, model, spec, mooncake_config(master_address), folder, env=env), timing))
+        sides.append(_Side(spec, build(spec, model, master_address, f"bench-{spec.slug}", env=env), timing))
     try:
         t0 = time.perf_counter()
-        for side in sides:
-            side.engine.start()
-        for side in sides:
-            side.engine.wait_ready()
+        start_all([side.engine for side in sides])
         log(f"  (i) {', '.join(labels)}: ready in {time.perf_counter() - t0:.0f} s")
         prefix_tokens = sizes.prefix_blocks * BLOCK_SIZE
         warm = shared_prefix_jobs(sizes.prefixes, prefixes=sizes.prefixes, prefix_tokens=prefix_tokens,
@@ -215,21 +204,19 @@ def run_wave(labels: tuple[str, ...], sizes: EngineSizes, python: Path, model: P
         upstream, *ours = (side.result() for side in sides)
         return {"upstream": upstream, "ours": ours}
     finally:
-        for side in sides:
-            side.engine.stop()
+        stop_all([side.engine for side in sides], remove=True)
 
 
-def run(sizes: EngineSizes, checkout: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
+def run(sizes: EngineSizes, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Scenario (i): a master, a tiny model, then each wave of ``sizes`` (engines of :data:`ENGINES`); the results."""
     from mooncake_lookout.connector.rigs.master import MOONCAKE_LEASE_MS, EmbeddedMaster
 
-    python = engine_python(checkout)
     workdir = Path(tempfile.mkdtemp(prefix="lookout-bench-i-"))
     try:
-        model = make_tiny_model(python, workdir / "model")
+        model = make_model(workdir / "model")
         with EmbeddedMaster(kv_lease_ttl_ms=MOONCAKE_LEASE_MS) as master:
             master.start()
-            waves = [run_wave(labels, sizes, python, model, master.rpc_address, workdir / f"wave-{n}", log)
+            waves = [run_wave(labels, sizes, model, master.rpc_address, workdir / f"wave-{n}", log)
                      for n, labels in enumerate(sizes.waves)]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

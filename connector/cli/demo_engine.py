@@ -32,17 +32,7 @@ from mooncake_lookout.connector.bench.http_load import (
     shared_prefix_jobs,
     total,
 )
-from mooncake_lookout.connector.rigs.served_engine import (
-    BLOCK_SIZE,
-    OURS,
-    UPSTREAM,
-    EngineError,
-    EngineSpec,
-    ServedEngine,
-    engine_python,
-    make_tiny_model,
-    mooncake_config,
-)
+from mooncake_lookout.connector.rigs.engine_specs import BLOCK_SIZE, LOOKOUT, UPSTREAM, EngineSpec, build, make_model
 
 MAX_ALIVE = 3  # engines alive at once: ~3.2 GB each
 CLIENTS = 4
@@ -55,7 +45,6 @@ HITS = "vllm:external_prefix_cache_hits_total"
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 OURS_LOOKUPS = "vllm:mooncake_lookup_requests_total"
 OURS_DEFERRALS = "vllm:mooncake_lookup_deferrals_total"
-UPSTREAM_OPS = "vllm:mooncake_store_operation_total"
 SUCCESS = "vllm:request_success_total"
 
 
@@ -64,8 +53,7 @@ def engine_specs(names: list[str], modes: dict[str, tuple[bool, dict[str, Any]]]
     specs = []
     for name in names:
         ours, config = modes[name]
-        extra = {**config, "cache_prefix": f"demo-{name}"}
-        specs.append(EngineSpec(label(name), OURS if ours else UPSTREAM, extra))
+        specs.append(EngineSpec(label(name), LOOKOUT if ours else UPSTREAM, dict(config)))
     return specs
 
 
@@ -89,18 +77,16 @@ class ModeRun:
         return total(self.counts, HITS)
 
     def lookups(self) -> dict[str, float] | None:
-        """Lookups by outcome (ours), by status (upstream's ``lookup`` operations), None when none is exported."""
-        if self.spec.ours:
-            return by_label(self.counts, OURS_LOOKUPS, "outcome")
-        found = by_label(self.counts, UPSTREAM_OPS, "status", operation="lookup")
-        return found or None
+        """Lookups by outcome (ours); None for upstream's client, which counts none (its ``mooncake_store_operation``
+        families count the worker's saves and loads only)."""
+        return by_label(self.counts, OURS_LOOKUPS, "outcome") if self.spec.ours else None
 
     def deferrals(self) -> float | None:
         """Times the scheduler was told to ask again later (ours counts them; upstream's does not)."""
         return total(self.counts, OURS_DEFERRALS) if self.spec.ours else None
 
 
-def measure(engine: ServedEngine, seconds: float, *, clients: int = CLIENTS, seed: int = SEED) -> ModeRun:
+def measure(engine: Any, spec: EngineSpec, seconds: float, *, clients: int = CLIENTS, seed: int = SEED) -> ModeRun:
     """Warm ``engine`` (each prefix once), then load it for ``seconds``; its counters' deltas over the load."""
     warm = shared_prefix_jobs(PREFIXES, prefixes=PREFIXES, prefix_tokens=PREFIX_BLOCKS * BLOCK_SIZE,
                               own_tokens=OWN_TOKENS, seed=seed)
@@ -112,7 +98,7 @@ def measure(engine: ServedEngine, seconds: float, *, clients: int = CLIENTS, see
     before = settled(engine.url, None)
     load = run_load(engine.url, jobs, clients=clients, max_tokens=MAX_TOKENS, seconds=seconds)
     after = settled(engine.url, (before, load.requests))
-    return ModeRun(engine.spec, engine.metrics_url, engine.ready_s or 0.0, load, delta(after, before))
+    return ModeRun(spec, f"{engine.url}/metrics", engine.start_seconds or 0.0, load, delta(after, before))
 
 
 def settled(url: str, expect: tuple[dict[str, float], int] | None, timeout_s: float = 15.0) -> dict[str, float]:
@@ -129,37 +115,30 @@ def settled(url: str, expect: tuple[dict[str, float], int] | None, timeout_s: fl
         time.sleep(0.2)
 
 
-def run_waves(python: Path, model: Path, master_address: str, specs: list[EngineSpec], seconds_each: float,
-              workdir: Path, say: Any, stop: threading.Event) -> list[ModeRun]:
+def run_waves(model: Path, master_address: str, specs: list[EngineSpec], seconds_each: float, say: Any,
+              stop: threading.Event) -> list[ModeRun]:
     """Start each wave's engines in parallel, measure them one after another, stop them; every run measured."""
+    from mooncake_lookout.connector.rigs.engine import start_all, stop_all
+
     runs: list[ModeRun] = []
     for wave in waves(specs):
         if stop.is_set():
             break
-        engines = [ServedEngine(python, model, spec, mooncake_config(master_address), workdir / _slug(spec.label))
-                   for spec in wave]
+        engines = [build(spec, model, master_address, f"demo-{spec.slug}") for spec in wave]
         try:
             t0 = time.perf_counter()
-            for engine in engines:
-                engine.start()
             say(f"starting {len(engines)} engines at once ({', '.join(s.label for s in wave)}) ...")
-            for engine in engines:
-                engine.wait_ready()
+            start_all(engines)
             say(f"  ready in {time.perf_counter() - t0:.0f} s: " + ", ".join(
-                f"{e.spec.label} pid {e.pid} {e.metrics_url}" for e in engines))
-            for engine in engines:
+                f"{s.label} pid {e.pid} {e.url}/metrics" for s, e in zip(wave, engines)))
+            for spec, engine in zip(wave, engines):
                 if stop.is_set():
                     break
-                runs.append(measure(engine, seconds_each))
-                say(f"  [{engine.spec.label:15}] {runs[-1].load.requests} requests in {runs[-1].load.seconds:.1f} s")
+                runs.append(measure(engine, spec, seconds_each))
+                say(f"  [{spec.label:15}] {runs[-1].load.requests} requests in {runs[-1].load.seconds:.1f} s")
         finally:
-            for engine in engines:
-                engine.stop()
+            stop_all(engines, remove=True)
     return runs
-
-
-def _slug(label: str) -> str:
-    return label.replace(" ", "-")
 
 
 def run_engine_demo(args: Any, out: TextIO, stop: threading.Event, checkout: Path) -> int:
@@ -176,15 +155,16 @@ def run_engine_demo(args: Any, out: TextIO, stop: threading.Event, checkout: Pat
     if "budget" in names:
         say("mooncake-lookout demo: --engine runs upstream-sync, upstream-async, sync, async or auto")
         return 2
+    from mooncake_lookout.connector.rigs.engine import engine_python
+
     t_start = time.perf_counter()
     workdir = Path(tempfile.mkdtemp(prefix="lookout-engine-demo-"))
     try:
         try:
-            python = engine_python(checkout)
-            say(f"engine python: {python}; making a tiny model (no download) ...")
-            model = make_tiny_model(python, workdir / "model")
+            say(f"engine python: {engine_python(checkout)}; making a tiny model (no download) ...")
+            model = make_model(workdir / "model")
             master = EmbeddedMaster(kv_lease_ttl_ms=MOONCAKE_LEASE_MS).start()
-        except (EngineError, MasterError) as exc:
+        except (RuntimeError, MasterError) as exc:
             say(f"mooncake-lookout demo: {exc}")
             return 2
         try:
@@ -193,8 +173,8 @@ def run_engine_demo(args: Any, out: TextIO, stop: threading.Event, checkout: Pat
                 f"request's last {OWN_TOKENS} tokens its own; {CLIENTS} concurrent clients, streaming completions of "
                 f"{MAX_TOKENS} tokens, greedy; vLLM's own prefix cache off (each shared prefix comes from the store)")
             specs = engine_specs(names, MODES, lambda name: mode_label(name, 0))
-            runs = run_waves(python, model, master.rpc_address, specs, args.duration / len(specs), workdir, say, stop)
-        except EngineError as exc:
+            runs = run_waves(model, master.rpc_address, specs, args.duration / len(specs), say, stop)
+        except (RuntimeError, TimeoutError) as exc:
             say(f"mooncake-lookout demo: {exc}")
             return 2
         finally:
