@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import re
 import time
@@ -73,7 +74,7 @@ class LoadResult:
         if not self.ttft_s:
             return None
         ordered = sorted(self.ttft_s)
-        index = min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))
+        index = min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))
         return ordered[index] * 1e3
 
     def merge(self, other: LoadResult) -> None:
