@@ -157,6 +157,8 @@ def run_engine_demo(args: Any, out: TextIO, stop: threading.Event, checkout: Pat
         return 2
     from mooncake_lookout.connector.rigs.engine import engine_python
 
+    if args.keep_running:
+        say("--keep-running does not apply to --engine: each engine stops once its mode is measured")
     t_start = time.perf_counter()
     workdir = Path(tempfile.mkdtemp(prefix="lookout-engine-demo-"))
     try:
