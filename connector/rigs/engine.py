@@ -96,6 +96,13 @@ signal.signal(signal.SIGTERM, end)
 sys.exit(server.wait())
 """
 
+
+
+def supervised(argv: list[str]) -> list[str]:
+    """``argv`` run under the supervisor, tied to this process: start it with ``start_new_session=True``."""
+    return [sys.executable, "-c", _SUPERVISOR, str(os.getpid()), *argv]
+
+
 _LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
@@ -187,7 +194,7 @@ class Engine:
             log.write(f"$ {' '.join(self.argv())}\n".encode())
             log.flush()
             self._t0 = time.perf_counter()
-            self._proc = subprocess.Popen([sys.executable, "-c", _SUPERVISOR, str(os.getpid()), *self.argv()],
+            self._proc = subprocess.Popen(supervised(self.argv()),
                                           stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                           env=self.environment(), cwd=self.workdir, start_new_session=True)
         _LIVE.add(self)
@@ -350,4 +357,4 @@ def _group_rss(pgid: int) -> int:
 
 
 __all__ = ["LOOKOUT", "UPSTREAM", "Engine", "engine_python", "kv_transfer_config", "mooncake_config",
-           "parse_metrics", "start_all", "stop_all"]
+           "parse_metrics", "start_all", "stop_all", "supervised"]
