@@ -55,6 +55,8 @@ def test_targets_i1_to_i4_are_computed_from_the_run(results: dict) -> None:
     assert found["i1"]["ours"] == ours["hit_tokens"] and found["i1"]["upstream"] == upstream["hit_tokens"]
     assert found["i4"]["ratio"] == pytest.approx(ours["lookup_us_per_step"] / upstream["lookup_us_per_step"])
     assert found["i1"]["met"] == (found["i1"]["ratio"] >= 0.99)
+    (per_request,) = found["i4"]["per_request"]
+    assert per_request["ours"] == ours["lookup_us_per_request"] > 0
     assert found["i2"]["pairs"] == [{"pair": "ours auto / upstream async", "ours": ours["ttft_ms"]["p50"],
                                      "upstream": upstream["ttft_ms"]["p50"], "ratio": found["i2"]["ratio"]}]
     assert len(i_block(results)) == 4

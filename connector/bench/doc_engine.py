@@ -14,6 +14,7 @@ from typing import Any
 
 from mooncake_lookout.connector.bench.records import RUNS_DIR
 from mooncake_lookout.connector.bench.report import i_block, targets_block
+from mooncake_lookout.connector.bench.targets import targets
 
 ENGINE_RUN_FILE = RUNS_DIR / "engine-i.json"
 
@@ -38,7 +39,7 @@ def render_engine_run(r: dict[str, Any]) -> str:
             f"`{m['commit']}`, {m['cpus']} CPUs, load average (1 min) {m['loadavg_at_start'][0]:.2f} -> "
             f"{m['loadavg_at_end'][0]:.2f}" + (f", {seconds:.0f} s" if seconds is not None else "")
             + f"; `{ENGINE_RUN_FILE}`):")
-    found = [t for t in r["targets"] if t["id"].startswith("i")]
+    found = [t for t in targets(r) if t["id"].startswith("i")]  # judged by this code, from the run's figures
     return head + "\n\n```\n" + "\n".join(i_block(r) + [""] + targets_block(found)) + "\n```\n"
 
 

@@ -308,9 +308,11 @@ def targets_block(entries: list[dict[str, Any]]) -> list[str]:
             lines.append(f"       beside it, mean schedule() per step: ours {fmt(sch['ours'])} vs "
                          f"{fmt(sch['upstream'])} us, "
                          f"ratio {fmt(sch['ratio'], 2)}")
-        if "pairs" in t:
-            lines.append("       each pair: " + "; ".join(f"{p['pair']} {fmt(p['ours'], 2)} vs {fmt(p['upstream'], 2)} "
-                                                          f"({fmt(p['ratio'], 2)})" for p in t["pairs"]))
+        for key, what in (("pairs", "each pair"), ("per_request", "beside it, per request served, us")):
+            if key in t:
+                lines.append(f"       {what}: " + "; ".join(f"{p['pair']} {fmt(p['ours'], 2)} vs "
+                                                         f"{fmt(p['upstream'], 2)} ({fmt(p['ratio'], 2)})"
+                                                         for p in t[key]))
         if "sizes" in t:
             lines.append("       each size: " + "; ".join(f"{s['blocks']} blocks {fmt(s['ours_ms'], 2)} vs "
                                                           f"{fmt(s['upstream_ms'], 2)} ms ({fmt(s['ratio'], 2)})"

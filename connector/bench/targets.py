@@ -229,6 +229,12 @@ def _i_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         if at_least:
             entry["met"] = worst_ratio is not None and worst_ratio >= at_least
         entry["pairs"] = each
+        if id_ == "i4":  # the same time per request served: steps differ between engines (how vLLM loops)
+            entry["per_request"] = [{"pair": name, "ours": p["ours"].get("lookup_us_per_request"),
+                                     "upstream": p["upstream"].get("lookup_us_per_request"),
+                                     "ratio": ratio_of(p["ours"].get("lookup_us_per_request"),
+                                                       p["upstream"].get("lookup_us_per_request"))}
+                                    for name, p in pairs.items()]
         out.append(entry)
     return out
 
