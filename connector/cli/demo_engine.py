@@ -41,6 +41,7 @@ PREFIX_BLOCKS = 4  # 128 tokens of shared prefix
 OWN_TOKENS = 40  # then a block and a bit of the request's own
 MAX_TOKENS = 8
 SEED = 0
+MAX_RATE = 200  # requests a second the jobs made for a load suffice for (a tiny model on 2 cores: tens)
 HITS = "vllm:external_prefix_cache_hits_total"
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 OURS_LOOKUPS = "vllm:mooncake_lookup_requests_total"
@@ -91,8 +92,8 @@ def measure(engine: Any, spec: EngineSpec, seconds: float, *, clients: int = CLI
     warm = shared_prefix_jobs(PREFIXES, prefixes=PREFIXES, prefix_tokens=PREFIX_BLOCKS * BLOCK_SIZE,
                               own_tokens=OWN_TOKENS, seed=seed)
     run_load(engine.url, warm, clients=1, max_tokens=MAX_TOKENS)
-    jobs = shared_prefix_jobs(100_000, prefixes=PREFIXES, prefix_tokens=PREFIX_BLOCKS * BLOCK_SIZE,
-                              own_tokens=OWN_TOKENS, seed=seed + 1)
+    jobs = shared_prefix_jobs(max(64, int(seconds * MAX_RATE)), prefixes=PREFIXES,
+                              prefix_tokens=PREFIX_BLOCKS * BLOCK_SIZE, own_tokens=OWN_TOKENS, seed=seed + 1)
     jobs = [[warm[i % PREFIXES][0][:PREFIX_BLOCKS * BLOCK_SIZE] + job[0][PREFIX_BLOCKS * BLOCK_SIZE:]]
             for i, job in enumerate(jobs)]  # the warmed prefixes, each request's tail its own
     before = settled(engine.url, None)
