@@ -48,6 +48,16 @@ class Key:
     rule: str = ""
     words: tuple[str, ...] = ()  # strings accepted besides values of ``kind`` (``auto``)
 
+    @property
+    def accepts(self) -> str:
+        """What the key accepts, in words, for error messages: ``an integer 0..100000 or auto``."""
+        if self.kind is bool:
+            return "true or false (a JSON boolean)"
+        if self.kind is str:
+            return self.rule or "a string"
+        noun = "an integer" if self.kind is int else "a number"
+        return f"{noun} {self.rule}" if self.rule else noun
+
 
 def _key(default: _T, doc: str, check: Callable[[Any], bool] = lambda v: True, rule: str = "",
          words: tuple[str, ...] = ()) -> _T:
@@ -68,9 +78,7 @@ def _coerce(key: Key, value: Any) -> Any:
         return float(value)
     if key.kind is str and isinstance(value, str):
         return value
-    raise ConfigError(
-        f"kv_connector_extra_config[{key.name!r}] must be {key.kind.__name__}, got {value!r}"
-    )
+    raise ConfigError(f"kv_connector_extra_config[{key.name!r}] must be {key.accepts}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -162,9 +170,8 @@ class LookupConfig:
         for key in KEYS:
             value = _coerce(key, getattr(self, key.name))
             if not key.check(value):
-                raise ConfigError(
-                    f"kv_connector_extra_config[{key.name!r}] = {value!r} is out of range ({key.rule})"
-                )
+                raise ConfigError(f"kv_connector_extra_config[{key.name!r}] = {value!r} is out of range: it must be "
+                                  f"{key.accepts}")
             object.__setattr__(self, key.name, value)
         self._check_curve()
 

@@ -20,6 +20,7 @@ if str(HERE) not in sys.path:  # dashboards/ is a folder of scripts, not an inst
 from grafana_foundation_sdk.cog.encoder import JSONEncoder  # noqa: E402
 
 import alerts  # noqa: E402
+import importable  # noqa: E402
 import overview  # noqa: E402
 import tuning  # noqa: E402
 
@@ -27,6 +28,9 @@ OVERVIEW_JSON = "mooncake-lookups-overview.json"
 TUNING_JSON = "mooncake-lookups-tuning.json"
 RULES_YAML = "alerts.rules.yaml"
 INHIBIT_YAML = "alertmanager-inhibit.yaml"
+# The import form of each dashboard (importable.py): a folder of its own, which the chart's files/dashboards/*.json
+# glob does not reach (the ConfigMaps carry the provisioned form).
+IMPORT_DIR = "import"
 
 
 def dashboard_json(builder: Any) -> str:
@@ -34,11 +38,20 @@ def dashboard_json(builder: Any) -> str:
     return json.dumps(builder.build(), cls=JSONEncoder, indent=2, sort_keys=True) + "\n"
 
 
+def import_json(provisioned: str) -> str:
+    """Stable JSON text of the import form (``__inputs``, ``__requires``) of a provisioned dashboard's text."""
+    return json.dumps(importable.for_import(json.loads(provisioned)), indent=2, sort_keys=True) + "\n"
+
+
 def outputs() -> dict[str, str]:
     """File name (inside dashboards/) to the text the code produces for it."""
-    return {
+    provisioned = {
         OVERVIEW_JSON: dashboard_json(overview.build(tuning.UID)),
         TUNING_JSON: dashboard_json(tuning.build(overview.UID)),
+    }
+    return {
+        **provisioned,
+        **{f"{IMPORT_DIR}/{name}": import_json(text) for name, text in provisioned.items()},
         RULES_YAML: alerts.render(),
         INHIBIT_YAML: alerts.render_inhibitions(),
     }
@@ -69,12 +82,14 @@ def main(argv: list[str] | None = None) -> int:
             print("stale: run python dashboards/generate.py and commit the result", file=sys.stderr)
         return 1 if diffs else 0
     for name, text in outputs().items():
+        (HERE / name).parent.mkdir(exist_ok=True)
         (HERE / name).write_text(text)
         print(f"wrote dashboards/{name}")
     return 0
 
 
-__all__ = ["INHIBIT_YAML", "OVERVIEW_JSON", "RULES_YAML", "TUNING_JSON", "check", "dashboard_json", "main", "outputs"]
+__all__ = ["IMPORT_DIR", "INHIBIT_YAML", "OVERVIEW_JSON", "RULES_YAML", "TUNING_JSON", "check", "dashboard_json",
+           "import_json", "main", "outputs"]
 
 if __name__ == "__main__":
     sys.exit(main())

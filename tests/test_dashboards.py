@@ -41,6 +41,7 @@ def test_committed_files_are_what_the_generator_makes():
 
 def test_check_reports_a_hand_edit(tmp_path):
     for name, text in generate.outputs().items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text(text)
     assert generate.check(tmp_path) == []
     path = tmp_path / generate.OVERVIEW_JSON

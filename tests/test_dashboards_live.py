@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DASHBOARDS = ROOT / "dashboards"
 
 import generate  # noqa: E402
+import importable  # noqa: E402
 import known_metrics as km  # noqa: E402
 import lint  # noqa: E402
 from live_queries import QueryRun, all_values, run_exprs, run_queries, variable_options  # noqa: E402
@@ -125,6 +126,19 @@ def test_every_dashboard_query_runs_and_ours_return_data(stack, stored_names):
     assert not errors, errors
     empty = [(r.dashboard, r.panel["title"], r.expr) for r in runs if _needs_data(r) and not r.has_data]
     assert not empty, empty
+
+
+def test_the_import_form_once_imported_runs_its_variables_and_queries(stack, stored_names):
+    """The import form (dashboards/import/), as Grafana's import stores it with a Prometheus picked: its variables
+    resolve and every panel query runs (the provisioned form is checked above)."""
+    for name in (generate.OVERVIEW_JSON, generate.TUNING_JSON):
+        template = json.loads((DASHBOARDS / generate.IMPORT_DIR / name).read_text())
+        d = importable.grafana_import(template, {importable.DS_INPUT: "picked-prometheus"})
+        assert variable_options(stack.prometheus, d, all_values(d))["master_job"] == [JOBS["master"]]
+        runs = run_queries(stack.prometheus, name, d, all_values(d), rate_interval=RATE_INTERVAL)
+        assert len(runs) == len(list(lint.queries(d))) > 10
+        assert not [(r.panel["title"], r.error) for r in runs if r.error]
+        assert [r for r in runs if r.has_data]
 
 
 def test_queries_filtered_to_one_instance_return_only_it(stack, stored_names):

@@ -109,18 +109,19 @@ def test_short_demo_prints_the_table_serves_metrics_and_exits_cleanly(demo_facto
     url = demo.wait_for(r"^metrics: (http://127\.0\.0\.1:\d+/metrics)$").group(1)
     pids = demo.wait_for(r"Mooncake master pid (\d+) .* lookup servers pid (\d+)")
     master_pid, servers_pid = int(pids.group(1)), int(pids.group(2))
+    demo.wait_for(r"^prefix cache: off in this run .* --workload multi-turn shows the cache on$")
     assert os.path.exists(f"/proc/{master_pid}")
 
     demo.wait_for(r"^\[ours async ")  # our client's run is on: /metrics answers with our families
     during = scrape(url)
     assert f"# TYPE {catalogue.REQUESTS.sample_names[0]} counter" in during
 
-    head = demo.wait_for(r"^mode +requests .*hit ratio$").group(0)
+    head = demo.wait_for(r"^mode +requests +steps/s .*hit ratio$").group(0)
     rows = {m: demo.wait_for(rf"^{m} +\d.*").group(0).split()[2:] for m in FIVE}
     for m, fields in rows.items():
-        assert int(fields[0]) > 0, (m, fields)
+        assert int(fields[0]) > 0 and float(fields[1]) > 0, (m, fields)  # requests, steps/s
     for m in ("upstream sync", "ours sync"):
-        assert float(rows[m][3]) == 0.0, f"{m} never defers"
+        assert float(rows[m][4]) == 0.0, f"{m} never defers"
     assert rows["upstream sync"][-1] == "-" and float(rows["ours sync"][-1]) > 0  # upstream's client counts no hits
     legend = []
     while not (line := demo.wait_for(r".*").group(0)).startswith("Reading:"):
@@ -128,7 +129,7 @@ def test_short_demo_prints_the_table_serves_metrics_and_exits_cleanly(demo_facto
     words = head.split()[1:]  # every word of every column's name is in the legend
     assert [w for w in words if not re.search(rf"(^|\s){re.escape(w)}\b", " ".join(legend))] == [], (words, legend)
     reading = line + "\n" + demo.wait_for(r"^ours auto waited .*").group(0)
-    blocked = {m: float(rows[m][1]) for m in FIVE}
+    blocked = {m: float(rows[m][2]) for m in FIVE}
     assert f"{blocked['upstream sync']:.0f} -> {blocked['upstream async']:.0f} us" in reading, reading
     assert f"{blocked['ours sync']:.0f} -> {blocked['ours async']:.0f} us" in reading, reading
     demo.wait_for(r"/metrics stays up at ")
@@ -178,7 +179,7 @@ def test_multi_turn_demo_shows_what_the_prefix_cache_spared_the_store(demo_facto
     head = demo.wait_for(r"^mode +requests .* known +keys/lookup +no-RTT$")
     assert head
     fields = demo.wait_for(r"^ours async\b.*").group(0).split()[1:]
-    requests, known, keys_per_lookup, no_rtt = int(fields[1]), float(fields[9]), float(fields[10]), int(fields[11])
+    requests, known, keys_per_lookup, no_rtt = int(fields[1]), float(fields[10]), float(fields[11]), int(fields[12])
     assert requests > 16, fields  # more than four conversations' worth of turns
     # A quarter of the lookups are first turns (every block asked); a later turn knows what came before.
     assert 0.2 < known < 1, fields

@@ -42,6 +42,12 @@ OUTSIDE = {
     "ha_state": "a field of the Mooncake master's /health answer with HA (its binary, not its Python)",
     "leader_address": "a field of the Mooncake master's /health answer with HA",
     "etcd_mvcc_db_total_size_in_bytes": "etcd's own metric of its database size (docs/helm.md, the quota)",
+    # vllm-project/production-stack's values keys (docs/integrate.md; tests/test_integrate.py checks each against
+    # that chart's values.schema.json, vendored in tests/data/production-stack).
+    **{key: "production-stack's values (docs/integrate.md)" for key in (
+        "lmcacheConfig", "lmcacheConfig.enabled", "servingEngineSpec.modelSpec",
+        "servingEngineSpec.serviceMonitor.enabled", "vllmConfig.extraArgs", "vllmConfig.v0",
+        "vllmConfig.enablePrefixCaching")},
 }
 FILE_NAME = re.compile(r".+\.(py|json|yaml|yml|md|sh|txt|toml|png|tpl)$")
 

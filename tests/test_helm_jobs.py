@@ -131,3 +131,38 @@ def test_metrics_absent_fires_for_an_engine_without_the_plugin_not_for_the_maste
     shared = {c: "mooncake-lookout" for c in ("engine", "master", "store")}
     run = run_case(promtool, tmp_path / "shared", absent_case(rules, shared, "serving"))
     assert run.returncode != 0 and 'pod="m-0"' in run.stdout + run.stderr, run.stdout + run.stderr
+
+
+NEVER = "MooncakeMasterNeverScraped"
+
+
+def never_scraped_case(rules: dict[str, Any], master_job: str, namespace: str) -> dict[str, Any]:
+    """A promtool test: master m-0 of the given job and namespace answers no scrape for 30 minutes (a NetworkPolicy
+    drops them); the engine and a master of another release answer no scrape either. Only m-0 may alert."""
+    series = [{"series": f'up{{namespace="{namespace}", job="{master_job}", pod="m-0", instance="m-0:1"}}',
+               "values": "0x30"},
+              {"series": f'up{{namespace="{namespace}", job="lookout-mooncake-lookout-engine", pod="e-0", '
+                         f'instance="e-0:1"}}', "values": "0x30"},
+              {"series": 'up{namespace="other", job="other-mooncake-lookout-master", pod="m-9", instance="m-9:1"}',
+               "values": "0x30"}]
+    expected = {"labels": f'ALERTS{{alertname="{NEVER}", alertstate="firing", severity="warning", '
+                          f'namespace="{namespace}", job="{master_job}", pod="m-0", instance="m-0:1"}}', "value": 1}
+    firing = f'ALERTS{{alertname="{NEVER}", alertstate="firing"}}'
+    return {"rule_files": ["rules.yaml"], "evaluation_interval": "1m",
+            "tests": [{"interval": "1m", "input_series": series,
+                       "promql_expr_test": [{"expr": firing, "eval_time": "20m", "exp_samples": [expected]}]}],
+            "_rules": rules}
+
+
+def test_never_scraped_fires_for_this_releases_master_job_only(rendered, promtool, tmp_path):
+    """The rendered rule watches the job the rendered master monitor gives its targets, in the release's namespace:
+    a master Prometheus never reaches alerts; another release's master and the engine do not."""
+    rules = chart.one(rendered, "PrometheusRule")["spec"]
+    run = run_case(promtool, tmp_path / "chart", never_scraped_case(rules, jobs_by_component(rendered)["master"],
+                                                                    "serving"))
+    assert run.returncode == 0, run.stdout + run.stderr
+    # The control: the rule file as it is (job mooncake-master) would not see the chart's master.
+    plain = yaml.safe_load((chart.ROOT / "dashboards" / "alerts.rules.yaml").read_text())
+    run = run_case(promtool, tmp_path / "plain", never_scraped_case(plain, jobs_by_component(rendered)["master"],
+                                                                    "serving"))
+    assert run.returncode != 0, run.stdout + run.stderr

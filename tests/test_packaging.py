@@ -116,6 +116,29 @@ def test_wheel_installs_offline_with_its_own_dependencies_only_and_its_commands_
         assert _run(command, sub, "--help").stdout.startswith(f"usage: mooncake-lookout {sub}")
 
 
+@pytest.fixture(scope="module")
+def wheel_venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh venv with only the wheel installed (and its dependencies, offline)."""
+    env_dir = tmp_path_factory.mktemp("wheel-venv")
+    venv.create(env_dir, with_pip=True)
+    _run(str(env_dir / "bin" / "python"), "-m", "pip", "install", "-q", "--no-index", "--find-links",
+         str(_dependency_wheels()), str(wheel))
+    return env_dir
+
+
+def test_size_answers_from_the_wheel_with_the_committed_runs_model(wheel_venv: Path, tmp_path: Path) -> None:
+    """``size`` from an installed wheel, away from any checkout, answers with the model of the committed runs
+    (docs/bench/run-N.json): the same figures as the checkout's ``size --runs docs/bench``."""
+    argv = ["size", "--engines", "8", "--rate", "2", "--blocks", "64", "--workload", "multi-turn", "--json"]
+    shipped = subprocess.run([str(wheel_venv / "bin" / "mooncake-lookout"), *argv], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=120)
+    assert shipped.returncode == 0, shipped.stderr
+    checkout = _run(str(Path(sys.executable).parent / "mooncake-lookout"), *argv, "--runs", str(ROOT / "docs/bench"))
+    from_wheel, from_runs = json.loads(shipped.stdout), json.loads(checkout.stdout)
+    assert from_wheel["model"] == from_runs["model"] and from_wheel["loads"] == from_runs["loads"]
+    assert from_wheel["sources"] == [str(Path(s).relative_to(ROOT)) for s in from_runs["sources"]]
+
+
 def test_git_url_install_builds_and_runs(fresh_venv: Path, tmp_path: Path) -> None:
     """README's ``pip install git+https://.../mooncake-lookout@TAG``: pip's git path, here on this checkout's own
     repository (``git+file://``: what is committed, cloned and built by pip), offline."""

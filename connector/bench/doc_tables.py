@@ -26,6 +26,7 @@ from mooncake_lookout.connector.bench.records import (
 )
 from mooncake_lookout.connector.bench.report import vs_step_floor
 from mooncake_lookout.connector.bench.run import AUTO, format_report
+from mooncake_lookout.connector.rigs.machine import DIRTY
 
 Figure = Callable[[dict[str, Any]], Any]
 
@@ -60,8 +61,27 @@ def render_runs(runs: Sequence[Run]) -> str:
                      f"`{m['commit']}`" if m.get("commit") else MISSING, f"{num(r.results.get('seconds'), 0)} s",
                      r.load_text, f"{m.get('cpus', MISSING)} CPUs, Python {m.get('python', MISSING)}",
                      versions.get("vllm", MISSING), mooncake])
-    return "\n".join(_table(["run", "file", "kind", "date (UTC)", "commit", "took", "load average (1 min)",
-                             "machine", "vLLM", "Mooncake"], rows)) + "\n"
+    table = "\n".join(_table(["run", "file", "kind", "date (UTC)", "commit", "took", "load average (1 min)",
+                              "machine", "vLLM", "Mooncake"], rows)) + "\n"
+    dirty = [str(r.number) for r in runs if str(get(r.results, "machine", "commit") or "").endswith(DIRTY)]
+    if not dirty:
+        return table
+    return table + (f"\nRun {', '.join(dirty)}: the commit ends in `{DIRTY}`: it ran with local changes to tracked "
+                    "files that are not in that commit (`bench` marks such a run and says so as it starts; "
+                    "`python -m mooncake_lookout.connector.cli.record` refuses to record on such a tree).\n")
+
+
+def render_bench_took(runs: Sequence[Run]) -> str:
+    """How long a full ``bench`` took in the committed runs, for docs/tuning.md's "Measure" (not a hand-typed guess)."""
+    took = [float(r.results["seconds"]) for r in runs if r.kind == "full" and r.results.get("seconds")]
+    if not took:
+        return "No committed full run says how long it took; `--quick` takes a few minutes.\n"
+    low, high = min(took), max(took)
+    span = f"{low:.0f} s" if round(low) == round(high) else f"{low:.0f}-{high:.0f} s"
+    cpus = sorted({str(get(r.results, "machine", "cpus") or "?") for r in runs})
+    return (f"The {len(took)} committed full runs of `bench` took {span} each (about {high / 60:.0f} minutes), on a "
+            f"machine of {' or '.join(cpus)} CPUs ([bench-results.md](bench-results.md), \"took\"); `--quick` takes a "
+            "few minutes.\n")
 
 
 def _targets(r: Run) -> dict[str, dict[str, Any]]:
@@ -552,6 +572,6 @@ def render_scenarios(runs: Sequence[Run]) -> str:
     return "\n".join(out).rstrip("\n") + "\n"
 
 
-__all__ = ["SCENARIOS", "render_demo", "render_guarantees", "render_modes", "render_multi_turn", "render_reports",
-           "render_runs", "render_scenarios", "render_targets_per_run", "render_targets_summary",
+__all__ = ["SCENARIOS", "render_bench_took", "render_demo", "render_guarantees", "render_modes", "render_multi_turn",
+           "render_reports", "render_runs", "render_scenarios", "render_targets_per_run", "render_targets_summary",
            "render_tuning_figures", "runs_note", "target_label"]

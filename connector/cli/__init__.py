@@ -3,7 +3,7 @@ generator.
 
 Each subcommand lives in its own module (:mod:`.demo`, :mod:`.bench`, :mod:`.serve`, :mod:`.doctor`,
 :mod:`.advise` with :mod:`.advise_prom` reading Prometheus and :mod:`.advise_rules` deciding, :mod:`.size` with
-:mod:`.size_prom`); this
+:mod:`.size_prom`; both reach Prometheus through :mod:`.prom_http`: authentication, TLS, headers); this
 one only wires them into one ``argparse`` parser. Heavy imports (vLLM, Mooncake) happen inside the
 subcommands, so ``--help`` answers at once. :mod:`.docs` regenerates (or ``--check``s) every generated
 block of the documentation.

@@ -5,7 +5,8 @@ scheduler spent in lookups per step, outcomes, breaker, pending and held against
 interval; vLLM's own TTFT, queue time and inter-token latency when they are there), prints the mode in
 force, what it costs per step and per request, the advised ``lookup_async``, ``lookup_wait_us``,
 ``lookup_timeout_ms`` and bounds each with the figures behind it (the rules: :mod:`.advise_rules`), and
-ready fragments for ``vllm serve --kv-transfer-config`` and for the Helm chart's values.
+ready fragments for ``vllm serve --kv-transfer-config`` and for the Helm chart's values; ``--write-values FILE``
+writes the latter as the file ``helm upgrade --reuse-values -f FILE`` takes.
 
 Exit codes: 0 advice printed; 2 Prometheus unreachable or a query rejected (bad ``--selector``); 3 no
 lookup series under the selector (or several configurations); 4 too little traffic in the window.
@@ -21,6 +22,7 @@ from typing import Any, TextIO
 
 from mooncake_lookout.connector.cli.advise_prom import AdviseError, Figures, read_figures, window_seconds
 from mooncake_lookout.connector.cli.advise_rules import Advice, Costs, InForce, decide, settings
+from mooncake_lookout.connector.cli.prom_http import Access, add_access_args
 from mooncake_lookout.connector.plugin import CONNECTOR_NAME
 
 HELM_LOOKUP_PATH = ("engine", "connector", "lookup")  # helm/mooncake-lookout/values.yaml
@@ -39,14 +41,16 @@ def add_advise_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``advise`` subcommand; returns its parser."""
     p = subparsers.add_parser("advise", help="advise lookup_async, lookup_wait_us and bounds from live metrics",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("--prometheus", required=True, metavar="URL", help="Prometheus base URL, e.g. http://127.0.0.1:9090")
     p.add_argument("--selector", default="{}", metavar="'{LABEL=\"VALUE\",...}'",
                    help="label matchers of the deployment to advise, e.g. '{namespace=\"prod\",model_name=\"m\"}' "
                         "(default: every series)")
     p.add_argument("--window", type=_window, default="1h",
                    help="how far back to look (a Prometheus duration; default 1h)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the report")
+    p.add_argument("--write-values", metavar="FILE", help="also write the advised settings as a Helm values file "
+                   "(engine.connector.lookup) for `helm upgrade RELEASE CHART --reuse-values -f FILE`")
     p.add_argument("--timeout-s", type=float, default=10.0, help="deadline of one Prometheus query (default 10)")
+    add_access_args(p, required=True)
     p.set_defaults(func=run_advise)
     return p
 
@@ -62,6 +66,17 @@ def helm_values(extra: dict[str, Any]) -> str:
     indent = "  " * len(HELM_LOOKUP_PATH)
     lines += [f"{indent}{k}: {json.dumps(v)}" for k, v in extra.items()]
     return "\n".join(lines) + "\n"
+
+
+def values_file(f: Figures, advice: list[Advice]) -> str:
+    """What ``--write-values`` writes: where the advice comes from, what changed, how to apply it; the values."""
+    changed = [f"{a.key} {json.dumps(_plain(a.current))} -> {json.dumps(_plain(a.value))}" for a in advice if a.changed]
+    header = [f"# mooncake-lookout advise: the last {f.window} of {f.selector} at {f.url}",
+              f"# changed: {'; '.join(changed) or 'nothing (every setting kept)'}",
+              "# apply: helm upgrade RELEASE CHART -n NAMESPACE --reuse-values -f THIS_FILE, then run advise again",
+              "# with a --window that starts after the rollout"]
+    extra = {k: _plain(v) for k, v in settings(advice).items()}
+    return "\n".join(header) + "\n" + helm_values(extra)
 
 
 def _plain(value: Any) -> Any:
@@ -146,11 +161,20 @@ def run_advise(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
     try:
-        figures = read_figures(args.prometheus, args.selector, args.window, args.timeout_s)
+        figures = read_figures(Access.from_args(args), args.selector, args.window, args.timeout_s)
         now, costs, advice = decide(figures)
     except (AdviseError, ValueError) as e:
         err.write(f"mooncake-lookout advise: {e}\n")
         return e.code if isinstance(e, AdviseError) else 2
+    if args.write_values:
+        try:
+            with open(args.write_values, "w", encoding="utf-8") as file:
+                file.write(values_file(figures, advice))
+        except OSError as e:
+            err.write(f"mooncake-lookout advise: cannot write {args.write_values}: {e.strerror or e}\n")
+            return 2
+        err.write(f"advise: wrote the advised values to {args.write_values}: helm upgrade RELEASE CHART -n "
+                  f"NAMESPACE --reuse-values -f {args.write_values}\n")
     if args.json:
         out.write(json.dumps(as_json(figures, now, costs, advice), indent=2) + "\n")
     else:
@@ -159,4 +183,4 @@ def run_advise(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
 
 
 __all__ = ["HELM_LOOKUP_PATH", "add_advise_parser", "as_json", "helm_values", "kv_transfer_config", "report",
-           "run_advise"]
+           "run_advise", "values_file"]

@@ -4,21 +4,17 @@ Every figure is one instant query evaluated now over ``[window]`` (``increase``,
 ``histogram_quantile`` of increased buckets), summed over every series the selector matches (instances,
 engines). Metric names come from :mod:`mooncake_lookout.metrics.catalogue`; vLLM's own names from
 :data:`VLLM_SERIES` (vLLM 0.33, ``vllm/v1/metrics/loggers.py``; a test checks them against vLLM's source).
-Errors are :class:`AdviseError` with a one-line message: Prometheus unreachable, a query it rejects, no
-lookup series under the selector.
+Errors are :class:`AdviseError` with a one-line message: Prometheus unreachable or refusing us (authentication,
+TLS: :mod:`.prom_http` reaches it), a query it rejects, no lookup series under the selector.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
-import urllib.error
-import urllib.parse
-import urllib.request
 from dataclasses import dataclass, field
-from typing import Any
 
+from mooncake_lookout.connector.cli.prom_http import Access, PrometheusError, PromHTTP
 from mooncake_lookout.metrics import catalogue as cat
 from mooncake_lookout.metrics.catalogue import MetricSpec
 
@@ -60,30 +56,26 @@ def selector_matchers(text: str) -> str:
 
 
 class PrometheusAPI:
-    """Instant queries against ``url``'s ``/api/v1/query``; every failure is an :class:`AdviseError`."""
+    """Instant queries against a Prometheus' ``/api/v1/query`` (reached as :class:`~.prom_http.Access` says: URL,
+    credentials, TLS, headers); every failure is an :class:`AdviseError`."""
 
-    def __init__(self, url: str, timeout_s: float = 10.0) -> None:
-        self.url = url.rstrip("/")
-        self.timeout_s = timeout_s
+    def __init__(self, access: Access | str, timeout_s: float = 10.0) -> None:
+        access = access if isinstance(access, Access) else Access(access)
+        try:
+            self.http = PromHTTP(access, timeout_s)
+        except PrometheusError as e:
+            raise AdviseError(str(e), e.code) from None
+        self.url = self.http.url
 
     def query(self, expr: str) -> list[tuple[dict[str, str], float]]:
         """The vector ``expr`` evaluates to now: (labels, value) pairs; NaN values are left out."""
-        url = f"{self.url}/api/v1/query?{urllib.parse.urlencode({'query': expr})}"
         try:
-            with urllib.request.urlopen(url, timeout=self.timeout_s) as reply:
-                body = json.loads(reply.read())
-        except urllib.error.HTTPError as e:
-            body = _json_or_none(e.read())
-            if body is None or "error" not in body:
-                raise AdviseError(f"{self.url} answered HTTP {e.code} to /api/v1/query: is it a Prometheus "
-                                  "server (its base URL, e.g. http://prometheus:9090)?") from None
-            raise AdviseError(f"Prometheus at {self.url} rejected a query ({body['error']}); "
+            body = self.http.get_json("/api/v1/query", {"query": expr})
+        except PrometheusError as e:
+            raise AdviseError(str(e), e.code) from None
+        if isinstance(body, dict) and body.get("status") == "error":
+            raise AdviseError(f"Prometheus at {self.url} rejected a query ({body.get('error')}); "
                               f"check --selector: {expr}") from None
-        except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            raise AdviseError(f"cannot reach Prometheus at {self.url}: {reason}") from None
-        except ValueError:
-            raise AdviseError(f"{self.url}/api/v1/query did not answer JSON: is it a Prometheus server?") from None
         if not isinstance(body, dict) or body.get("status") != "success":
             raise AdviseError(f"Prometheus at {self.url} answered without success: {str(body)[:200]}")
         out = []
@@ -97,13 +89,6 @@ class PrometheusAPI:
         """The single value of ``expr`` (summed by the caller's expression), ``None`` when empty."""
         result = self.query(expr)
         return result[0][1] if result else None
-
-
-def _json_or_none(raw: bytes) -> Any:
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return None
 
 
 @dataclass(frozen=True)
@@ -279,9 +264,9 @@ def _ratio(num: float, den: float) -> float | None:
     return num / den if den else None
 
 
-def read_figures(url: str, selector: str, window: str, timeout_s: float = 10.0) -> Figures:
-    """Every figure advise needs, from the Prometheus at ``url``."""
-    return Reader(PrometheusAPI(url, timeout_s), selector, window).read()
+def read_figures(access: Access | str, selector: str, window: str, timeout_s: float = 10.0) -> Figures:
+    """Every figure advise needs, from the Prometheus ``access`` reaches (or at a plain URL)."""
+    return Reader(PrometheusAPI(access, timeout_s), selector, window).read()
 
 
 __all__ = ["AdviseError", "Figures", "PrometheusAPI", "Reader", "VLLM_SERIES", "VllmFigures", "bucket_quantile",

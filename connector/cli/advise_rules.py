@@ -25,7 +25,8 @@ The rules, in the order they are applied (thresholds are the constants below):
   kept coming right up to the deadline (at least :data:`NEAR_DEADLINE` answers in the last half before
   the deadline per timeout: a latency tail the deadline cuts). Timeouts while answers stayed far below the
   deadline mean the store stalled: a longer deadline would only hold requests (and a sync scheduler)
-  longer for answers that do not come.
+  longer for answers that do not come. Fewer timeouts than :data:`NOISE_TIMEOUTS_MIN` or than
+  :data:`NOISE_TIMEOUT_SHARE` of the lookups are noise: the deadline is kept (a change restarts every engine).
 * **Bounds.** ``lookup_max_pending`` is doubled after rejections or a peak at :data:`NEAR_BOUND` of it,
   unless the store was failing (then the pile-up waits on the store, not the bound); ``lookup_max_held``
   is doubled after evictions or a peak near it.
@@ -51,6 +52,10 @@ MIN_STEPS = 100
 SYNC_SHARE = 0.05  # sync's blocked share of the step above which async pays off
 FAILING_SHARE = 0.01  # share of lookups ending in timeout/error/breaker_open that marks a failing store
 NEAR_DEADLINE = 0.2  # answers in the last half before the deadline per timeout that mark a tail the deadline cuts
+# The noise threshold of the deadline rule: fewer timeouts than both of these say nothing a fleet-wide restart
+# should act on (the trial's 4 in 53,097 lookups asked for one).
+NOISE_TIMEOUTS_MIN = 10
+NOISE_TIMEOUT_SHARE = 0.001
 NEAR_BOUND = 0.8
 IDLE_SKEW = 1.5  # a mean step interval over this many medians is inflated by idle gaps: use the median
 FAILURES = (Outcome.TIMEOUT.value, Outcome.ERROR.value, Outcome.BREAKER_OPEN.value)
@@ -261,6 +266,11 @@ def decide_timeout(f: Figures, c: Costs, now: InForce) -> Advice:
     figures = {"timeouts": timeouts, "answered_in_time": c.answered_in_time, "answered_in_last_half_before_deadline":
                c.near_deadline, "rpc_p99_us": _us(c.rpc_p99_s), "deadline_ms": now.timeout_ms}
     half = f"({now.timeout_ms / 2:g}, {now.timeout_ms:g}] ms"
+    if 0 < timeouts < max(NOISE_TIMEOUTS_MIN, NOISE_TIMEOUT_SHARE * c.lookups):
+        return Advice("lookup_timeout_ms", now.timeout_ms, now.timeout_ms, f"{timeouts:.0f} timeouts in "
+                      f"{c.lookups:.0f} lookups are noise (under {NOISE_TIMEOUTS_MIN} and "
+                      f"{NOISE_TIMEOUT_SHARE:.1%} of lookups): keep the deadline, a change restarts every engine",
+                      figures)
     if timeouts and c.near_deadline >= NEAR_DEADLINE * timeouts:
         value = min(60_000.0, _nice_ms(2 * now.timeout_ms))
         return Advice("lookup_timeout_ms", value, now.timeout_ms, f"answers come right up to the deadline: "
@@ -342,4 +352,5 @@ def settings(advice: list[Advice]) -> dict[str, Any]:
 
 
 __all__ = ["Advice", "Costs", "DECIDED", "FAILING_SHARE", "InForce", "MIN_LOOKUPS", "MIN_STEPS", "NEAR_BOUND",
-           "NEAR_DEADLINE", "SYNC_SHARE", "costs", "decide", "in_force", "settings"]
+           "NEAR_DEADLINE", "NOISE_TIMEOUTS_MIN", "NOISE_TIMEOUT_SHARE", "SYNC_SHARE", "costs", "decide", "in_force",
+           "settings"]

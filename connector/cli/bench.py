@@ -4,6 +4,7 @@ or measures your own store or lookup server read-only (``--master`` / ``--server
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from mooncake_lookout.connector.transport.names import PIPELINED, TRANSPORTS
@@ -26,6 +27,11 @@ def run_bench_command(args: argparse.Namespace) -> int:
         selected(only)
     except ValueError as e:
         raise SystemExit(f"bench --only: {e}") from None
+    from mooncake_lookout.connector.rigs.machine import DIRTY, commit
+
+    if (code := commit() or "").endswith(DIRTY):
+        print(f"bench: this checkout has local changes to tracked files: the run is marked commit {code} (its code is "
+              "not that commit's); commit them before publishing it as docs/bench/run-N.json", file=sys.stderr)
     results = run_bench(args.out, quick=args.quick, only=only)
     print(f"wrote {args.out}/bench.json, {args.out}/bench.txt and {len(results['plots'])} plots "
           f"in {results['seconds']:.0f} s")

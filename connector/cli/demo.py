@@ -340,6 +340,11 @@ def _run(args: argparse.Namespace, stop: threading.Event, out: TextIO, console: 
                 ttl_ms = LookupConfig().lookup_answer_ttl_ms
                 say(f"prefix cache: found blocks remembered for lookup_answer_ttl_ms ({ttl_ms:g} ms), within the "
                     f"master's key lease ({rig.kv_lease_ttl_ms} ms)")
+            else:
+                say("prefix cache: off in this run (its lookup server keeps no store epoch; inside vLLM it is on), so "
+                    "ours asks the store "
+                    "for every block of a prompt as vLLM's client does: the table compares the lookup paths alone; "
+                    "--workload multi-turn shows the cache on")
             progress = Progress(out)
 
             def announce(text: str) -> None:

@@ -14,7 +14,9 @@ from typing import Any
 
 # Columns: (header, unit line, legend). The legend names each column by its header's first word(s).
 COLUMNS: tuple[tuple[str, str, str], ...] = (
-    ("requests", "", "requests: arrived during the run"),
+    ("requests", "", "requests: arrived during the mode's run, a fixed number at each scheduler step (--rate), so a "
+                     "mode whose steps are shorter admits more in its share of the run: a count, not a speed"),
+    ("steps/s", "", "steps/s: scheduler steps a second (the model step included), what the requests follow"),
     ("blocked/step", "(us)", "blocked/step: time per scheduler step spent inside lookup calls"),
     ("call p99", "(us)", "call p99: the 99th percentile of one lookup call"),
     ("deferred/req", "(steps)", "deferred/req: steps a request waited for its answer"),
@@ -43,7 +45,9 @@ def _num(value: float | None, width: int, digits: int) -> str:
 def _row(r: Any, prefix_cache: bool) -> str:
     d = r.as_dict()
     delay = d["answer_delay_us"]
-    cells = [f"{r.label:{LABEL_WIDTH}}", f"{r.requests:8d}", _num(d["blocked_per_step_us"].get("mean"), 12, 1),
+    steps_per_s = r.steps / r.seconds if r.seconds else None
+    cells = [f"{r.label:{LABEL_WIDTH}}", f"{r.requests:8d}", _num(steps_per_s, 7, 0),
+             _num(d["blocked_per_step_us"].get("mean"), 12, 1),
              _num(d["call_us"].get("p99"), 9, 1), _num(r.mean_deferred_steps, 12, 2)]
     cells += [_num(delay[q] / 1e3 if q in delay else None, w, 2) for q, w in (("p50", 10), ("p90", 7), ("p99", 7))]
     cells.append(_num(r.store_hit_ratio, 9, 2))
@@ -59,7 +63,7 @@ def _row(r: Any, prefix_cache: bool) -> str:
 def format_table(runs: Sequence[Any], *, prefix_cache: bool = False) -> str:
     """The closing table: header, units, one row per run, the legend, failures, then the reading."""
     columns = COLUMNS + (CACHE_COLUMNS if prefix_cache else ())
-    widths = (8, 12, 9, 12, 10, 7, 7, 9) + ((6, 11, 6) if prefix_cache else ())
+    widths = (8, 7, 12, 9, 12, 10, 7, 7, 9) + ((6, 11, 6) if prefix_cache else ())
     head = f"{'mode':{LABEL_WIDTH}} " + " ".join(f"{c[0]:>{w}}" for c, w in zip(columns, widths))
     units = f"{'':{LABEL_WIDTH}} " + " ".join(f"{c[1]:>{w}}" for c, w in zip(columns, widths))
     lines = [head, units] + [_row(r, prefix_cache) for r in runs]
@@ -68,7 +72,9 @@ def format_table(runs: Sequence[Any], *, prefix_cache: bool = False) -> str:
         failed = {o: n for o, n in sorted(r.outcomes.items()) if o not in ("hit", "miss", "discarded")}
         if failed:
             lines.append(f"  {r.label}: lookups that ended without the store's answer: "
-                         + ", ".join(f"{n} {o}" for o, n in failed.items()))
+                         + ", ".join(f"{n} {o}" for o, n in failed.items())
+                         + f" (lookups, not requests: a request whose lookup failed asks again at its next scheduling "
+                           f"attempt, so these may exceed the {r.requests} requests)")
     lines += reading(runs)
     return "\n".join(lines)
 

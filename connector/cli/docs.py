@@ -19,7 +19,8 @@ this module rewrites each (or, with ``--check``, lists the stale ones and exits 
   files, :mod:`~mooncake_lookout.connector.bench.records`, rendered by
   :mod:`~mooncake_lookout.connector.bench.doc_tables`): ``socket-choice`` (docs/architecture.md),
   ``bench-guarantees`` (docs/reliability.md),
-  ``bench-source``, ``bench-modes``, ``bench-figures`` and ``bench-multi-turn`` (docs/tuning.md), ``bench-runs``,
+  ``bench-source``, ``bench-took``, ``bench-modes``, ``bench-figures``, ``bench-multi-turn`` (docs/tuning.md),
+  ``bench-runs``,
   ``bench-targets``, ``bench-targets-per-run``, ``bench-scenarios``, ``bench-reports`` and ``bench-fleet``
   (docs/bench-results.md), ``bench-sizing`` (docs/operations.md) and ``bench-fleet-helm`` (docs/helm.md), the last
   three by :mod:`~mooncake_lookout.connector.bench.doc_fleet`.
@@ -31,6 +32,8 @@ this module rewrites each (or, with ``--check``, lists the stale ones and exits 
   ``docs/bench/demo.txt``, ``docs/bench/engine-demo.txt`` and
   ``docs/bench/first-run.json``; ``sink-cost`` (docs/metrics.md), from ``docs/bench/sink-cost.json`` (each recorded
   by one command of :mod:`.record`);
+* ``connector/cli/sizing-runs.json`` (a whole file, shipped in the package: ``size``'s model): scenario (h) of the
+  committed runs;
 * ``soak-table`` and ``soak-commands`` (docs/reliability.md): from the committed soaks ``docs/bench/soak-T.json``, what
   ``python -m mooncake_lookout.connector.rigs.soak --transport T --json`` printed
   (:mod:`~mooncake_lookout.connector.bench.soak_tables`).
@@ -57,7 +60,7 @@ from typing import Any
 
 from mooncake_lookout.connector.bench import doc_engine, doc_fleet, doc_tables, security_tables, soak_tables
 from mooncake_lookout.connector.bench.records import ENGINE_DEMO_FILE, Run, load_demo, load_runs, load_soaks
-from mooncake_lookout.connector.cli import record
+from mooncake_lookout.connector.cli import record, size
 from mooncake_lookout.connector.config import KEYS
 from mooncake_lookout.connector.server.limits import Limits, flag_of
 from mooncake_lookout.connector.vllm_version import supported_range
@@ -336,6 +339,7 @@ BLOCKS: tuple[Block, ...] = (
           lambda root: record.render_sink_cost(record.load_recorded(root, record.SINK_COST_FILE))),
     Block("docs/reliability.md", "bench-guarantees", _bench(doc_tables.render_guarantees)),
     Block("docs/tuning.md", "bench-source", _bench(lambda runs: doc_tables.runs_note(runs) + "\n")),
+    Block("docs/tuning.md", "bench-took", _bench(doc_tables.render_bench_took)),
     Block("docs/tuning.md", "bench-modes", _bench(doc_tables.render_modes)),
     Block("docs/tuning.md", "bench-figures", _bench(doc_tables.render_tuning_figures)),
     Block("docs/tuning.md", "bench-multi-turn", _bench(doc_tables.render_multi_turn)),
@@ -349,6 +353,8 @@ BLOCKS: tuple[Block, ...] = (
         doc_engine.load_engine_run(root))),
     Block("docs/operations.md", "bench-sizing", _bench(doc_fleet.render_sizing)),
     Block("docs/helm.md", "bench-fleet-helm", _bench(doc_fleet.render_helm_fleet)),
+    Block("connector/cli/" + size.SHIPPED_RUNS.name, "",
+          _bench(lambda runs: size.render_shipped_runs([(r.path, r.results) for r in runs]))),
     Block("docs/reliability.md", "soak-table", lambda root: soak_tables.render_soak_table(load_soaks(root))),
     Block("docs/security.md", "server-bounds", lambda root: render_server_bounds()),
     Block("docs/security.md", "bench-security-curve",

@@ -2,8 +2,10 @@
 
 Checks, each reported ``ok`` or ``FAIL`` with the reason and what to do:
 
-* ``--config``: a ``kv_connector_extra_config`` (JSON text, or ``@file``) validated by :class:`LookupConfig`
-  exactly as the connector will at start-up;
+* ``--config``: a ``kv_connector_extra_config``, or a whole ``--kv-transfer-config`` as ``vllm serve`` takes it
+  (JSON text, or ``@file``), validated by :class:`LookupConfig` exactly as the connector will at start-up; a
+  whole one must name our connector (``kv_connector``, ``kv_connector_module_path``);
+* an ``ipc://`` address whose socket does not exist is named as such before any probe;
 * ``--server``: the lookup server answers lookups in each wire format (``upstream``: vLLM 0.33's
   ``LookupKeyServer`` format, ``pipelined``: ours) within the deadline; the round-trip latency of
   ``--samples`` probe lookups (a cold prefix: a miss is the expected answer, an error is not). With the
@@ -19,6 +21,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import statistics
 import sys
 import urllib.error
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from mooncake_lookout.connector.config import ConfigError, LookupConfig
+from mooncake_lookout.connector.plugin import CONNECTOR_NAME, MODULE_PATH
 from mooncake_lookout.connector.transport.names import TRANSPORTS, UPSTREAM
 
 MASTER_SERIES = ("master_key_count", "master_active_clients", "master_batch_exist_key_requests_total",
@@ -47,24 +51,78 @@ class Finding:
         return f"{'ok  ' if self.ok else 'FAIL'}  {self.check}: {self.detail}"
 
 
+# Keys that make a JSON object a whole --kv-transfer-config rather than its kv_connector_extra_config.
+TRANSFER_KEYS = ("kv_connector", "kv_connector_extra_config", "kv_connector_module_path", "kv_role")
+
+
+def _read_json(text: str) -> Any:
+    """``text`` (or the file ``@path``) as JSON; a pasted ``--kv-transfer-config '...'`` loses its flag."""
+    if text.startswith("@"):
+        with open(text[1:]) as f:
+            text = f.read()
+    text = text.strip()
+    if text.startswith("--kv-transfer-config"):
+        text = text[len("--kv-transfer-config"):].lstrip(" =").strip().strip("'")
+    return json.loads(text)
+
+
+def _extra_of(given: dict[str, Any]) -> tuple[Any, str]:
+    """The ``kv_connector_extra_config`` of ``given`` and where it was found; ConfigError when a whole
+    ``--kv-transfer-config`` would not load our connector."""
+    if not any(k in given for k in TRANSFER_KEYS):
+        return given, ""
+    connector, module = given.get("kv_connector"), given.get("kv_connector_module_path")
+    if connector is not None and connector != CONNECTOR_NAME:
+        raise ConfigError(f"kv_connector is {connector!r}: vLLM would load that connector, not mooncake-lookout's "
+                          f"(kv_connector: {CONNECTOR_NAME!r}), and no lookup_* key would be used")
+    if module is not None and module != MODULE_PATH:
+        raise ConfigError(f"kv_connector_module_path is {module!r}; mooncake-lookout's connector is {MODULE_PATH!r}")
+    return given.get("kv_connector_extra_config", {}), "the --kv-transfer-config's kv_connector_extra_config: "
+
+
 def check_config(text: str) -> tuple[Finding, LookupConfig | None]:
-    """Validate ``kv_connector_extra_config`` given as JSON text (or ``@path`` to a JSON file)."""
+    """Validate a ``kv_connector_extra_config`` or a whole ``--kv-transfer-config`` given as JSON text (or
+    ``@path`` to a JSON file): the inner ``kv_connector_extra_config`` of a whole one."""
     try:
-        if text.startswith("@"):
-            with open(text[1:]) as f:
-                text = f.read()
-        extra = json.loads(text)
+        given = _read_json(text)
     except (OSError, json.JSONDecodeError) as exc:
         return Finding("config", False, f"cannot read the JSON: {exc}"), None
-    if not isinstance(extra, dict):
+    if not isinstance(given, dict):
         return Finding("config", False, "kv_connector_extra_config must be a JSON object"), None
     try:
+        extra, where = _extra_of(given)
+        if not isinstance(extra, dict):
+            raise ConfigError(f"kv_connector_extra_config must be a JSON object, got {extra!r}")
         config = LookupConfig.from_extra_config(extra)
     except ConfigError as exc:
         return Finding("config", False, str(exc)), None
     wait = config.lookup_wait_us if isinstance(config.lookup_wait_us, str) else f"{config.lookup_wait_us} us"
-    return Finding("config", True, f"valid; mode {config.mode}, transport {config.lookup_transport}, "
+    return Finding("config", True, f"{where}valid; mode {config.mode}, transport {config.lookup_transport}, "
                                    f"deadline {config.lookup_timeout_ms:g} ms, wait {wait}"), config
+
+
+def check_ipc_path(address: str) -> Finding | None:
+    """A finding when ``address`` is an ``ipc://`` socket that is not there (None otherwise): a probe would only
+    say that nothing answers."""
+    if not address.startswith("ipc://"):
+        return None
+    path = address[len("ipc://"):]
+    folder = os.path.dirname(path) or "."
+    check = "server address"
+    if "*" in path or "?" in path:
+        return Finding(check, False, f"{path} is a shell pattern that matched no socket: no lookup server has bound "
+                                     "one there (is the engine up, on this host or pod, and VLLM_RPC_BASE_PATH/TMPDIR "
+                                     "the engine's?)")
+    if not os.path.isdir(folder):
+        return Finding(check, False, f"the socket's folder {folder} does not exist: no lookup server runs with it "
+                                     "on this host (check the path, and that this is the engine's host or pod)")
+    if not os.access(folder, os.X_OK):
+        return Finding(check, False, f"the socket's folder {folder} is not open to this user (uid {os.getuid()}): "
+                                     "run doctor as the engine's user")
+    if not os.path.exists(path):
+        return Finding(check, False, f"the socket {path} does not exist: no lookup server has bound it (is the "
+                                     "engine running, and is this its address?)")
+    return None
 
 
 class TransportNotes(logging.Handler):
@@ -205,7 +263,10 @@ def run_doctor(args: argparse.Namespace, out: TextIO | None = None) -> int:
         finding, config = check_config(args.config)
         findings.append(finding)
     address = args.server or (config.lookup_server_address if config is not None else "")
-    if address:
+    missing = check_ipc_path(address) if address else None
+    if missing is not None:
+        findings.append(missing)
+    elif address:
         wires = [args.wire] if args.wire else list(TRANSPORTS)
         for wire in wires:
             findings.append(probe_server(address, wire, samples=args.samples, timeout_ms=args.timeout_ms,
@@ -229,12 +290,13 @@ def add_doctor_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--server", metavar="ADDRESS", help="lookup server: ipc://PATH or tcp://HOST:PORT")
     p.add_argument("--wire", choices=TRANSPORTS, help="probe only this wire format (default: both)")
     p.add_argument("--master-metrics", metavar="URL", help="the master's HTTP base URL, e.g. http://127.0.0.1:9003")
-    p.add_argument("--config", metavar="JSON|@FILE", help="kv_connector_extra_config to validate")
+    p.add_argument("--config", metavar="JSON|@FILE",
+                   help="kv_connector_extra_config, or a whole --kv-transfer-config, to validate")
     p.add_argument("--samples", type=int, default=20, help="probe lookups per wire format (default 20)")
     p.add_argument("--timeout-ms", type=float, default=500.0, help="deadline of one probe lookup (default 500)")
     p.set_defaults(func=run_doctor)
     return p
 
 
-__all__ = ["Finding", "TransportNotes", "add_doctor_parser", "check_config", "check_master", "probe_server",
-           "run_doctor"]
+__all__ = ["Finding", "TRANSFER_KEYS", "TransportNotes", "add_doctor_parser", "check_config", "check_ipc_path",
+           "check_master", "probe_server", "run_doctor"]

@@ -17,7 +17,9 @@ them (``python -m mooncake_lookout.connector.cli.docs``; a test fails when they 
   holds (``pip download`` of each installed distribution, what a machine without local copies downloads) and
   the venv's size; writes ``docs/bench/first-run.json``.
 
-Each then regenerates the docs. Numbers depend on the machine and its load: every file carries the load average.
+Each then regenerates the docs. A checkout with local changes to tracked files is refused (``--allow-dirty``
+records anyway, marked ``+dirty``): the docs quote commits. Numbers depend on the machine and its load: every file
+carries the load average.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from mooncake_lookout.connector.bench.records import DEMO_FILE, ENGINE_DEMO_FILE, RUNS_DIR
-from mooncake_lookout.connector.rigs.machine import CHECKOUT, commit, load_average, machine
+from mooncake_lookout.connector.rigs.machine import CHECKOUT, DIRTY, commit, load_average, machine
 
 DEMO_ARGS = ("--duration", "small")
 ENGINE_DEMO_ARGS = ("--engine",)  # every mode, the default duration: the engines' start-up is most of it
@@ -231,6 +233,17 @@ RECORDERS = {"demo": record_demo, "engine-demo": record_engine_demo, "first-run"
              "security": record_security}
 
 
+def dirty_refusal(what: str, root: Path = CHECKOUT, *, allow: bool = False) -> str | None:
+    """Why ``what`` may not be recorded here (None: it may): a recording the docs quote must be of a commit, and a
+    checkout with local changes to tracked files is not one. ``first-run`` and ``engine-demo`` clone HEAD, so they
+    measure a commit."""
+    code = commit(root) or ""
+    if allow or what in ("first-run", "engine-demo") or not code.endswith(DIRTY):
+        return None
+    return (f"record: this checkout has local changes to tracked files (commit {code}): the docs would quote code "
+            "that is in no commit; commit first (or pass --allow-dirty, and the recording says +dirty)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Record, then regenerate the docs."""
     parser = argparse.ArgumentParser(prog="python -m mooncake_lookout.connector.cli.record",
@@ -238,7 +251,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("what", choices=tuple(RECORDERS), help="what to record (see the module's doc)")
     parser.add_argument("--scratch", type=Path,
                         help="first-run, engine-demo: the folder to clone into (default: a new temp one)")
+    parser.add_argument("--allow-dirty", action="store_true", help="record on a checkout with local changes (the "
+                        "recording's commit then ends in +dirty)")
     args = parser.parse_args(argv)
+    refused = dirty_refusal(args.what, allow=args.allow_dirty)
+    if refused:
+        print(refused, file=sys.stderr)
+        return 2
     if args.what in ("first-run", "engine-demo"):
         code = RECORDERS[args.what](scratch=args.scratch)
     else:
@@ -251,8 +270,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = ["ENGINE_DEMO_ARGS", "FIRST_RUN_FILE", "RECORDERS", "SECURITY_FILE", "SINK_COST_FILE", "demo_command",
-           "load_recorded", "main", "provenance", "record_demo", "record_engine_demo", "record_first_run",
-           "record_security", "record_sink_cost", "render_first_run", "render_sink_cost", "run_demo_script", "where"]
+           "dirty_refusal", "load_recorded", "main", "provenance", "record_demo", "record_engine_demo",
+           "record_first_run", "record_security", "record_sink_cost", "render_first_run", "render_sink_cost",
+           "run_demo_script", "where"]
 
 if __name__ == "__main__":
     sys.exit(main())

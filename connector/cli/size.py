@@ -2,7 +2,8 @@
 
 Given ``--engines E --rate R --blocks P --workload W`` it projects, with the sizing model
 (:mod:`~..bench.fleet_model`, from the master's CPU per store call and per key that bench scenario (h) measured,
-in the committed runs or the ``bench.json`` of your own ``bench --only h``), what E engines at R new requests a
+in the committed runs, shipped inside the package as :data:`SHIPPED_RUNS`, or the ``bench.json`` of your own
+``bench --only h``), what E engines at R new requests a
 second, prompts of P blocks, ask of the master: store calls and keys a second, the master's CPU for them, and the
 engines one core of it serves, for our client and for vLLM's. Given ``--prometheus URL`` it reads those figures
 from a live deployment instead (our connector's series and the master's own counters,
@@ -22,8 +23,13 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from mooncake_lookout.connector.bench.fleet_model import Load, Model, from_runs, project
+from mooncake_lookout.connector.cli.prom_http import Access, add_access_args
 
 KINDS = ("shared-prefix", "multi-turn")
+# Scenario (h) of each committed run (docs/bench/run-N.json), shipped as package data so that `size` answers from an
+# installed wheel too. Generated from those runs by ``python -m mooncake_lookout.connector.cli.docs`` (whose
+# ``--check`` fails when it drifts from them): the runs stay the one source.
+SHIPPED_RUNS = Path(__file__).with_name("sizing-runs.json")
 
 
 def add_size_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -39,9 +45,10 @@ def add_size_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--master-cpus", type=float, default=1.0, help="CPU cores the master has (default 1)")
     p.add_argument("--runs", type=Path, default=None, metavar="PATH",
                    help="the measured model: a bench.json of `bench --only h`, or a folder of run-N.json (default: "
-                        "this checkout's docs/bench)")
-    live = p.add_argument_group("a live deployment (instead of --engines/--rate/--blocks/--workload)")
-    live.add_argument("--prometheus", metavar="URL", help="Prometheus base URL, e.g. http://127.0.0.1:9090")
+                        "the committed runs docs/bench/run-N.json, shipped with the package)")
+    add_access_args(p, required=False)
+    live = p.add_argument_group("a live deployment, with --prometheus (instead of --engines/--rate/--blocks/"
+                                "--workload)")
     live.add_argument("--selector", default="{}", help="label matchers of the engines' series (default: every one)")
     live.add_argument("--master-selector", default="{}", help="label matchers of the master's series (default: any)")
     live.add_argument("--window", default="1h", help="how far back to look (a Prometheus duration; default 1h)")
@@ -51,16 +58,16 @@ def add_size_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def load_model(path: Path | None) -> tuple[Model, list[str]]:
-    """The model of every run under ``path`` that measured scenario (h), and the files it came from."""
-    from mooncake_lookout.connector.bench.records import RUNS_DIR
-    from mooncake_lookout.connector.cli.docs import REPO_ROOT
+def render_shipped_runs(runs: list[tuple[str, dict[str, Any]]]) -> str:
+    """:data:`SHIPPED_RUNS`' text: scenario (h) of each ``(path, bench.json)`` run that measured it."""
+    doc = {"generated_by": "python -m mooncake_lookout.connector.cli.docs (do not edit): scenario (h) of each "
+                           "committed bench run, the model `mooncake-lookout size` answers with",
+           "runs": {path: results["h"] for path, results in runs
+                    if isinstance(results.get("h"), dict) and results["h"].get("phases")}}
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")) + "\n"
 
-    path = path if path is not None else REPO_ROOT / RUNS_DIR
-    files = [path] if path.is_file() else sorted(path.glob("run-*.json")) if path.is_dir() else []
-    if not files:
-        raise SystemExit(f"size: no bench run at {path}: give --runs a bench.json of `mooncake-lookout bench --only "
-                         "h` (or a folder of run-N.json)")
+
+def _measured_h(files: list[Path]) -> tuple[list[dict[str, Any]], list[str]]:
     hs, used = [], []
     for f in files:
         try:
@@ -70,9 +77,29 @@ def load_model(path: Path | None) -> tuple[Model, list[str]]:
         if isinstance(results, dict) and isinstance(results.get("h"), dict) and results["h"].get("phases"):
             hs.append(results["h"])
             used.append(str(f))
+    return hs, used
+
+
+def load_model(path: Path | None) -> tuple[Model, list[str]]:
+    """The model of every run under ``path`` that measured scenario (h), and the files it came from; without
+    ``path``, the committed runs' shipped with the package (:data:`SHIPPED_RUNS`)."""
+    if path is None:
+        try:
+            shipped = json.loads(SHIPPED_RUNS.read_text())["runs"]
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"size: the package's measured model {SHIPPED_RUNS} is missing or damaged ({e}): "
+                             "reinstall mooncake-lookout, or give --runs a bench.json of `mooncake-lookout bench "
+                             "--only h`") from None
+        hs, used = list(shipped.values()), list(shipped)
+    else:
+        files = [path] if path.is_file() else sorted(path.glob("run-*.json")) if path.is_dir() else []
+        if not files:
+            raise SystemExit(f"size: no bench run at {path}: give --runs a bench.json of `mooncake-lookout bench "
+                             "--only h` (or a folder of run-N.json)")
+        hs, used = _measured_h(files)
     if not hs:
-        raise SystemExit(f"size: no run under {path} measured scenario (h) (a fleet on one master): run "
-                         "`mooncake-lookout bench --only h` and pass its bench.json with --runs")
+        raise SystemExit(f"size: no run under {path or SHIPPED_RUNS} measured scenario (h) (a fleet on one master): "
+                         "run `mooncake-lookout bench --only h` and pass its bench.json with --runs")
     return from_runs(hs), used
 
 
@@ -119,7 +146,8 @@ def _projected(args: argparse.Namespace, model: Model) -> dict[str, Any]:
 def _live(args: argparse.Namespace, model: Model) -> dict[str, Any]:
     from mooncake_lookout.connector.cli.size_prom import read_live
 
-    live = read_live(args.prometheus, args.selector, args.master_selector, args.window, block_size=args.block_size)
+    live = read_live(Access.from_args(args), args.selector, args.master_selector, args.window,
+                     block_size=args.block_size)
     call_us = {c: model.shapes[args.workload][c].per_call_us if args.workload else model.per_call_us
                for c in ("ours", "upstream")}
     ours_us = live.calls_per_lookup * call_us["ours"] + live.keys_per_lookup * model.per_key_us
@@ -166,4 +194,4 @@ def run_size(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     return 0
 
 
-__all__ = ["KINDS", "add_size_parser", "load_model", "report", "run_size"]
+__all__ = ["KINDS", "SHIPPED_RUNS", "add_size_parser", "load_model", "render_shipped_runs", "report", "run_size"]

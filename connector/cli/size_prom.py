@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from mooncake_lookout.connector.bench.fleet import COUNTERS
 from mooncake_lookout.connector.cli.advise_prom import AdviseError, PrometheusAPI, Reader
+from mooncake_lookout.connector.cli.prom_http import Access
 from mooncake_lookout.metrics import catalogue as cat
 
 MIN_LOOKUPS = 100  # in the window: fewer say little about a rate
@@ -51,10 +52,10 @@ def _scalar(api: PrometheusAPI, expr: str) -> float | None:
     return sum(v for _, v in found) if found else None
 
 
-def read_live(url: str, selector: str, master_selector: str, window: str, *, block_size: int = 16,
+def read_live(access: Access | str, selector: str, master_selector: str, window: str, *, block_size: int = 16,
               timeout_s: float = 10.0) -> Live:
-    """The live figures (see the module docstring)."""
-    api = PrometheusAPI(url, timeout_s)
+    """The live figures (see the module docstring), from the Prometheus ``access`` reaches (or at a plain URL)."""
+    api = PrometheusAPI(access, timeout_s)
     ours = Reader(api, selector, window)
     master = Reader(api, master_selector, window)
     engines = _scalar(api, f"count({ours.sel(cat.INFO.name)})")

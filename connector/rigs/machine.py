@@ -19,6 +19,7 @@ from mooncake_lookout.connector.rigs.cpu import CLOCK_TICKS
 
 VERSIONED = ("vllm", "mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine", "mooncake-lookout")
 CHECKOUT = Path(__file__).resolve().parents[2]  # the repository (an editable install imports from it)
+DIRTY = "+dirty"  # a commit's mark when tracked files had local changes: the code measured is not that commit's
 
 
 def machine() -> dict[str, Any]:
@@ -73,7 +74,7 @@ def commit(root: Path = CHECKOUT) -> str | None:
         return None
     if head.returncode != 0:
         return None
-    return head.stdout.strip() + ("+dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
+    return head.stdout.strip() + (DIRTY if dirty.returncode == 0 and dirty.stdout.strip() else "")
 
 
-__all__ = ["VERSIONED", "commit", "cpu_stolen_s", "load_average", "machine", "versions"]
+__all__ = ["DIRTY", "VERSIONED", "commit", "cpu_stolen_s", "load_average", "machine", "versions"]

@@ -75,7 +75,7 @@ def template(values_files: Iterable[Path | str] = (), sets: dict[str, str] | Non
 
 def render_notes(values_files: Iterable[Path | str] = (), release: str = "lookout",
                  namespace: str = "serving", workdir: Path | None = None,
-                 sets: dict[str, str] | None = None) -> str:
+                 sets: dict[str, str] | None = None, api_versions: Iterable[str] = ()) -> str:
     """NOTES.txt as helm would print it. ``helm install --dry-run`` needs a cluster and ``helm template`` skips
     NOTES, so render a copy of the chart in which a ConfigMap carries ``tpl`` of NOTES.txt."""
     import tempfile
@@ -90,12 +90,55 @@ def render_notes(values_files: Iterable[Path | str] = (), release: str = "lookou
             '  notes: {{ tpl (.Files.Get "notes-src/NOTES.txt") $ | toJson }}\n')
         args = ["template", release, str(copy), "--namespace", namespace,
                 "--show-only", "templates/notes-as-configmap.yaml"]
+        for api in api_versions:
+            args += ["--api-versions", api]
         for path in values_files:
             args += ["--values", str(path)]
         for key, value in (sets or {}).items():
             args += ["--set-json", f"{key}={value}"]
         text = run_helm(*args)
     return yaml.safe_load(text)["data"]["notes"]
+
+
+CRD_SCHEMAS = Path(__file__).with_name("prometheus-operator-crds.json")
+
+
+def _strict(node: Any) -> Any:
+    """A CRD's structural schema as the API server applies it with field validation Strict: an object with
+    properties admits no other field (unless x-kubernetes-preserve-unknown-fields), int-or-string takes either."""
+    if isinstance(node, list):
+        return [_strict(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: (v if k == "properties" else _strict(v)) for k, v in node.items()}
+    if "properties" in node:
+        out["properties"] = {name: _strict(sub) for name, sub in node["properties"].items()}
+    if out.get("x-kubernetes-int-or-string"):
+        out.pop("type", None)
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    if out.get("type") == "object" and "properties" in out and not out.get("x-kubernetes-preserve-unknown-fields"):
+        out.setdefault("additionalProperties", False)
+    return out
+
+
+def validate_monitoring(obj: dict[str, Any]) -> None:
+    """Check a monitoring.coreos.com/v1 object against its CRD's schema (prometheus-operator's, see
+    prometheus-operator-crds.json's "source"), strictly; kubernetes-validate has none. Raises ValueError."""
+    import json
+
+    import jsonschema
+
+    schemas = json.loads(CRD_SCHEMAS.read_text())["schemas"]
+    if obj.get("apiVersion") != MONITORING_GROUP or obj.get("kind") not in schemas:
+        raise ValueError(f"{obj.get('apiVersion')}/{obj.get('kind')} is not a Prometheus Operator kind this knows")
+    meta = obj["metadata"]
+    if set(meta) - {"name", "namespace", "labels", "annotations"} or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in {**meta.get("labels", {}),
+                                                                  **meta.get("annotations", {})}.items()):
+        raise ValueError(f"{obj['kind']} {meta.get('name')}: bad metadata {meta}")
+    errors = sorted(jsonschema.Draft7Validator(_strict(schemas[obj["kind"]])).iter_errors(obj), key=str)
+    if errors:
+        raise ValueError(f"{obj['kind']} {meta['name']}: {errors[0].message} at {list(errors[0].path)}")
 
 
 def ci_value_sets() -> dict[str, Path]:
@@ -120,5 +163,6 @@ def load_values() -> dict[str, Any]:
     return yaml.safe_load((CHART / "values.yaml").read_text())
 
 
-__all__ = ["CHART", "CI_VALUES", "MONITORING_APIS", "MONITORING_GROUP", "MONITORING_KINDS", "ROOT", "HelmError",
-           "ci_value_sets", "find", "helm_binary", "load_values", "one", "render_notes", "run_helm", "template"]
+__all__ = ["CHART", "CI_VALUES", "CRD_SCHEMAS", "MONITORING_APIS", "MONITORING_GROUP", "MONITORING_KINDS", "ROOT",
+           "HelmError", "ci_value_sets", "find", "helm_binary", "load_values", "one", "render_notes", "run_helm",
+           "template", "validate_monitoring"]

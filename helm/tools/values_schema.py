@@ -326,8 +326,10 @@ def shape() -> dict[str, Any]:
             networkPolicy=obj(enabled={"type": "boolean"}, monitoringPodSelector=FREE_MAP,
                               storeClients={"type": "boolean"}, engineHttpFrom=LIST, extraEngineIngress=LIST,
                               extraClients=LIST),
-            helmTest=obj(enabled={"type": "boolean"}, timeoutSeconds=positive(3600), nodeSelector=STRING_MAP,
-                         tolerations=LIST),
+            # 0: derived from the engine's startup probe (the test waits as long as a rollout may take).
+            helmTest=obj(enabled={"type": "boolean"},
+                         timeoutSeconds={"type": "integer", "minimum": 0, "maximum": 36000},
+                         nodeSelector=STRING_MAP, tolerations=LIST),
         ),
     }
 

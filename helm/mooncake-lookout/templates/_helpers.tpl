@@ -125,10 +125,8 @@ lookup_server_address beyond loopback without CURVE fails here, as the worker wo
 {{- fail (printf "engine.connector.lookup.lookup_server_address %s listens beyond loopback without CURVE: anyone who reaches it could flood the store with lookups and probe what is cached; set engine.connector.curve.secretName (docs/security.md)" $address) }}
 {{- end }}
 {{- end }}
-{{- /* A held answer must stay younger than half the master's key lease (found keys are leased that long). */}}
-{{- $halfLease := div (include "lookout.masterLeaseMs" . | int64) 2 }}
-{{- if lt (int64 $halfLease) (int64 $extra.lookup_answer_ttl_ms) }}
-{{- $_ := set $extra "lookup_answer_ttl_ms" $halfLease }}
+{{- with include "lookout.answerTtlLowered" . }}
+{{- $_ := set $extra "lookup_answer_ttl_ms" (int64 .) }}
 {{- end }}
 {{- dict "kv_connector" $connector.name "kv_role" $connector.kvRole "kv_connector_extra_config" $extra | toJson }}
 {{- end }}
@@ -182,6 +180,25 @@ Name of the Lease the masters contend for with the k8s backend.
 */}}
 {{- define "lookout.leaseName" -}}
 {{- default (printf "%s-master" (include "lookout.fullname" .)) .Values.master.ha.k8s.leaseName }}
+{{- end }}
+
+{{/*
+A held answer must stay younger than half the master's key lease (a found key is leased that long from the lookup
+that found it). Above it, an engine.connector.lookup.lookup_answer_ttl_ms the user set fails the render, naming
+both values; the chart's own default is lowered to half the lease, and this prints the value it takes (NOTES says
+so); empty when nothing changes.
+*/}}
+{{- define "lookout.answerTtlLowered" -}}
+{{- $ttl := .Values.engine.connector.lookup.lookup_answer_ttl_ms }}
+{{- $lease := include "lookout.masterLeaseMs" . | int64 }}
+{{- $half := div $lease 2 }}
+{{- if lt (float64 $half) (float64 $ttl) }}
+{{- $default := (.Files.Get "files/chart-defaults.yaml" | fromYaml).engine.connector.lookup.lookup_answer_ttl_ms }}
+{{- if ne (float64 $ttl) (float64 $default) }}
+{{- fail (printf "engine.connector.lookup.lookup_answer_ttl_ms %v is more than half the master's key lease (master.defaultKvLeaseTtl %v = %d ms): a held answer must be asked again before the lease that keeps its key from eviction runs out. Set lookup_answer_ttl_ms to at most %d, or lengthen master.defaultKvLeaseTtl to at least %.0f ms" $ttl .Values.master.defaultKvLeaseTtl $lease $half (mulf 2.0 (float64 $ttl))) }}
+{{- end }}
+{{- $half }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -325,4 +342,35 @@ engine after a restart) compute the same store keys.
 {{- if and (hasPrefix "xxhash" $algo) (not $seeded) }}
 {{- fail (printf "engine.extraArgs sets --prefix-caching-hash-algo %s, which vLLM seeds with a random value in every process unless PYTHONHASHSEED is set: no two engines would compute the same store keys, and the shared cache would never hit. Set engine.hashSeed.secretName to a Secret holding one secret integer (0 to 4294967295) that every engine sharing the store uses, e.g. kubectl create secret generic lookout-hash-seed --from-literal=seed=$(shuf -i 1-4294967295 -n 1)" $algo) }}
 {{- end }}
+{{- end }}
+
+{{/*
+Seconds the helm test pod keeps retrying: helmTest.timeoutSeconds, or (0) the engine's startup-probe window
+(periodSeconds x failureThreshold: as long as the kubelet lets the engine load its model) plus 60 s for the
+Service to list the ready pod. The pod runs the engine image, so its clock starts once that image is pulled.
+*/}}
+{{- define "lookout.helmTestTimeout" -}}
+{{- $t := int .Values.helmTest.timeoutSeconds }}
+{{- if gt $t 0 }}{{ $t }}
+{{- else }}
+{{- $s := .Values.engine.probes.startup }}
+{{- add (mul (int $s.periodSeconds) (int $s.failureThreshold)) 60 }}
+{{- end }}
+{{- end }}
+
+{{/*
+The --timeout `helm test` needs: the pod's own wait (lookout.helmTestTimeout) plus 10 minutes for pulling the
+engine image on a node that has not got it (helm's default, 5m, would give up first).
+*/}}
+{{- define "lookout.helmTestCommandTimeout" -}}
+{{- add (include "lookout.helmTestTimeout" . | int) 600 }}s
+{{- end }}
+
+{{/*
+"true" when the engines run the lookout connector: engine.connector.name is the chart's default (the name the
+plugin registers). Another one (e.g. upstream's MooncakeStoreConnector) exports no lookout metric.
+*/}}
+{{- define "lookout.connectorIsOurs" -}}
+{{- $default := (.Files.Get "files/chart-defaults.yaml" | fromYaml).engine.connector.name }}
+{{- if eq .Values.engine.connector.name $default }}true{{ end }}
 {{- end }}

@@ -13,22 +13,39 @@ Call with (dict "ctx" $ "kind" "PrometheusRule").
 {{- end }}
 
 {{/*
-Labels of a monitoring object: the release label kube-prometheus-stack selects on, then the object's own. An object
-with neither would be picked by no stock kube-prometheus-stack: that fails the render, naming the values to set
-(monitoring.release false says the Prometheus selects them otherwise). Call with
-(dict "ctx" $ "labels" .labels "what" "ServiceMonitor lookout-mooncake-lookout-engine").
+Labels of a monitoring object: the release label kube-prometheus-stack selects on (monitoring.release), then the
+object's own. Neither is required: a Prometheus that selects every monitor (or by labels of your own) picks them up
+as they are, and NOTES says which label a stock kube-prometheus-stack needs ("lookout.unlabelledMonitoring").
+Call with (dict "ctx" $ "labels" .labels).
 */}}
 {{- define "lookout.monitorLabels" -}}
 {{- $release := .ctx.Values.monitoring.release }}
-{{- if and (eq (toString $release) "") (not .labels) }}
-{{- fail (printf "monitoring.release is empty, so the %s carries no label a Prometheus selects: kube-prometheus-stack's Prometheus picks only objects labelled release=<its release name>. Set monitoring.release to that name (helm list -A shows it), or monitoring.release=false if your Prometheus selects these objects otherwise (monitoring.serviceMonitor.labels and the like add labels of your own)" .what) }}
-{{- end }}
-{{- if $release }}
+{{- if and $release (ne (toString $release) "false") }}
 release: {{ $release | quote }}
 {{- end }}
 {{- with .labels }}
 {{ toYaml . }}
 {{- end }}
+{{- end }}
+
+{{/*
+The kinds of the monitoring objects this release renders with no label a stock kube-prometheus-stack selects on
+(monitoring.release empty, no labels of their own), comma-separated; empty when there are none.
+*/}}
+{{- define "lookout.unlabelledMonitoring" -}}
+{{- $m := .Values.monitoring }}
+{{- $out := list }}
+{{- if eq (toString $m.release) "" }}
+{{- $objects := list (list "ServiceMonitor" $m.serviceMonitor true) (list $m.masterMonitor.kind $m.masterMonitor .Values.master.enabled) (list "PodMonitor" $m.storeMonitor .Values.store.enabled) (list "PrometheusRule" $m.prometheusRule true) }}
+{{- range $objects }}
+{{- $kind := index . 0 }}
+{{- $cfg := index . 1 }}
+{{- if and (index . 2) $cfg.enabled (not $cfg.labels) (include "lookout.monitoringOn" (dict "ctx" $ "kind" $kind)) }}
+{{- $out = append $out $kind }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- join ", " (uniq $out) }}
 {{- end }}
 
 {{/*
@@ -56,7 +73,7 @@ metadata:
   namespace: {{ $ctx.Release.Namespace }}
   labels:
     {{- include "lookout.labels" (dict "ctx" $ctx "component" .component) | nindent 4 }}
-    {{- include "lookout.monitorLabels" (dict "ctx" $ctx "labels" .cfg.labels "what" (printf "%s %s" .kind $name)) | trim | nindent 4 }}
+    {{- include "lookout.monitorLabels" (dict "ctx" $ctx "labels" .cfg.labels) | trim | nindent 4 }}
 spec:
   {{- with .cfg.scrapeProtocols }}
   scrapeProtocols:
