@@ -19,7 +19,7 @@ from mooncake_lookout.connector.bench.targets import targets
 from mooncake_lookout.connector.rigs import engine_timing
 from mooncake_lookout.connector.rigs.engine import engine_python
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]  # engines start in 22-59 s; ~4 min on a loaded host
 
 
 @pytest.fixture(scope="module")

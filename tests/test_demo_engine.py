@@ -21,7 +21,7 @@ from mooncake_lookout.connector.cli import demo_engine_table
 from mooncake_lookout.connector.rigs.processes import process_state
 
 SCRIPT = Path(sys.executable).parent / "mooncake-lookout"
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]  # engines start in 22-59 s; ~4 min on a loaded host
 ROW = re.compile(r"^ours auto\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+(\d+) /\s+(\d+)\s+(\d+)\s+(.*)$")
 
 
