@@ -80,7 +80,10 @@ class Answers:
             self._ended(lk)
         if self._ev is not None:
             self._ev.consumed(lk)
-        if not (outcome is HIT or outcome is MISS):  # failed or refused: not held, the next call asks again
+        if not (outcome is MISS or outcome is HIT and self.store_view.proven):
+            # Failed or refused: not held, the next call asks again. A hit while the lease is unproven (no store
+            # epoch named: the server has not shown the master's lease covers lookup_answer_ttl_ms) is served to
+            # this call only, as upstream's client serves it: held, it could outlive a lease shorter than the ttl.
             del self._lookups[lk.req_id]
             return lk
         lk.held, held = True, self._held

@@ -8,11 +8,21 @@ not deferred a step for it. A lookup sent at admission (the step's start) cannot
 Threads: :meth:`Arrivals.send` runs on the input thread; everything else on the scheduler's thread. They share
 one dict, under one lock, and the transport's hand-over (a deque append and an eventfd write, safe from any
 thread). The input thread makes the :class:`Lookup` and hands it to the transport; the scheduler's thread
-reads it only once :meth:`Arrivals.take` has taken it out of the dict.
+reads it only once :meth:`Arrivals.take` has taken it out of the dict. The input thread also reads the prefix
+cache, as one ``(epoch, cache)`` snapshot (:class:`StoreView`): the blocks it marks known carry the epoch they
+were found in, whatever the scheduler's thread hears meanwhile; the generation is read before it, so a reset
+in between is caught at :meth:`Arrivals.take`.
 
 What it must not break (docs/reliability.md, "No stale hit"): a lookup is taken only for the request it was
 made for (same prompt, same generation), and only if it was sent after the last reset was handed over, so the
 server answered it after the wipe. Its answer is then judged as any other: its trust starts at its send.
+
+Every lookup sent ends with an outcome: taken over, it is the client's like any other; else it is dropped, on the
+scheduler's thread, as ``discarded`` with a reason (:data:`DROP_REASONS`, reported through ``dropped``): its
+request never claimed it before its deadline (``unclaimed``: aborted before admission, or not asked about in
+time), claimed it with another prompt (``prompt_changed``), was fenced by a reset (``reset``), or the client
+closed (``closed``). Its reply, in time, is then no late reply (transport/base.py, ``forget``): the server was not
+slow, the request went away.
 """
 
 from __future__ import annotations
@@ -28,14 +38,20 @@ from mooncake_lookout.connector.transport.base import Transport, TransportClosed
 
 _clock = time.perf_counter
 
+# Why a lookup sent at arrival was dropped (the ``reason`` label of metrics/catalogue.py's ``arrivals_dropped``).
+UNCLAIMED, PROMPT_CHANGED, RESET, CLOSED = "unclaimed", "prompt_changed", "reset", "closed"
+DROP_REASONS: tuple[str, ...] = (UNCLAIMED, PROMPT_CHANGED, RESET, CLOSED)
+
 
 class Arrivals:
     """Lookups sent at arrival and not yet taken (at most ``max_pending`` counting the client's open ones)."""
 
     def __init__(self, transport: Transport, *, timeout_s: float, max_pending: int,
                  generation: Callable[[], int], open_lookups: Callable[[], int],
-                 breaker_closed: Callable[[], bool], store_view: StoreView | None = None) -> None:
+                 breaker_closed: Callable[[], bool], store_view: StoreView | None = None,
+                 dropped: Callable[[Lookup, str], None] | None = None) -> None:
         self._transport = transport
+        self._dropped = dropped  # told of each lookup dropped, and why (scheduler's thread)
         self._timeout_s = timeout_s
         self._max_pending = max_pending
         self._generation = generation
@@ -80,19 +96,21 @@ class Arrivals:
     # -- the scheduler's thread -------------------------------------------------------------------------------
     def take(self, req_id: str, num_tokens: int, block_hashes: Sequence[bytes], generation: int) -> Lookup | None:
         """``req_id``'s lookup if one was sent for this very prompt in this generation since the last reset,
-        else ``None`` (one that does not fit is dropped: its reply will count as late)."""
+        else ``None`` (one that does not fit is dropped: ``reset`` or ``prompt_changed``)."""
         with self._lock:
             lk = self._sent.pop(req_id, None)
         if lk is None:
             return None
-        if lk.asks_for(num_tokens, block_hashes, generation) and (lk.t_start or 0.0) > self._not_before:
+        fenced = lk.generation != generation or (lk.t_start or 0.0) <= self._not_before
+        if not fenced and lk.asks_for(num_tokens, block_hashes, generation):
             lk.adopted = True
             return lk
-        self._transport.forget(lk)
+        self._drop(lk, RESET if fenced else PROMPT_CHANGED)
         return None
 
-    def sweep(self, now: float) -> None:
-        """Drop lookups of requests that never reached the scheduler (aborted first) once past their deadline."""
+    def sweep(self, now: float, reason: str = UNCLAIMED) -> None:
+        """Drop lookups of requests that never claimed them (aborted before admission, say) once past their
+        deadline."""
         sent = self._sent
         if not sent:
             return
@@ -101,17 +119,23 @@ class Arrivals:
             stale = [r for r, lk in sent.items() if lk.t_submit < horizon]
             gone = [sent.pop(r) for r in stale]
         for lk in gone:
-            self._transport.forget(lk)
+            self._drop(lk, reason)
 
     def reset(self) -> None:
         """A reset was handed over: every lookup sent before it is dropped, now or when it is taken."""
         self._not_before = _clock()
-        self.sweep(float("inf"))
+        self.sweep(float("inf"), RESET)
 
     def close(self) -> None:
         """Send nothing more; drop what was sent."""
         self._closed = True
-        self.sweep(float("inf"))
+        self.sweep(float("inf"), CLOSED)
+
+    def _drop(self, lk: Lookup, reason: str) -> None:
+        """Nobody will take ``lk``: its reply is not waited for, and it ends ``discarded`` for ``reason``."""
+        self._transport.forget(lk)
+        if self._dropped is not None:
+            self._dropped(lk, reason)
 
 
 def arrivals_for(client: Any, transport: Transport, *, enabled: bool) -> Arrivals | None:
@@ -120,7 +144,8 @@ def arrivals_for(client: Any, transport: Transport, *, enabled: bool) -> Arrival
         return None
     return Arrivals(transport, timeout_s=client.config.timeout_s, max_pending=client.config.lookup_max_pending,
                     generation=lambda: client.generation, open_lookups=lambda: client.pending,
-                    breaker_closed=lambda: client.breaker.closed, store_view=client.store_view)
+                    breaker_closed=lambda: client.breaker.closed, store_view=client.store_view,
+                    dropped=client.arrival_dropped)
 
 
-__all__ = ["Arrivals", "arrivals_for"]
+__all__ = ["Arrivals", "CLOSED", "DROP_REASONS", "PROMPT_CHANGED", "RESET", "UNCLAIMED", "arrivals_for"]

@@ -76,7 +76,7 @@ class LookupClient(Answers, Reporting):
         self._admission_frames = self._admission_frames_left = ADMISSION_FRAMES if self._reads_socket else 0
         # The store's epoch as answers name it (a wipe by anyone changes it) and the prefix cache under it,
         # on once the scheduler adapter says the layout allows it (prefix_cache.py).
-        self.store_view = StoreView(config, self._cache_cleared)
+        self.store_view = StoreView(config, self._cache_cleared, self._cache_state_changed)
         transport.on_epoch = self.store_view.heard
         self._ev: ObserverSet | None = None  # the observers, when any is attached (else no event is made)
         self._own_late_reply = transport.on_late_reply

@@ -42,9 +42,11 @@ class LookupObserver(Protocol):
     def scheduler_call(self, mode: str, seconds: float) -> None: ...
     def late_reply(self) -> None: ...
     def answer_dropped(self, rec: LookupRecord, reason: str) -> None: ...
+    def arrival_dropped(self, rec: LookupRecord, reason: str) -> None: ...
     def step_ended(self, wait_budget_s: float, held: int, cached_blocks: int,
                    interval_s: float | None = None) -> None: ...
     def cache_cleared(self, reason: str, blocks: int) -> None: ...
+    def prefix_cache_state(self, state: str) -> None: ...
 
 
 class NullObserver:
@@ -82,6 +84,11 @@ class NullObserver:
         """A held answer was forgotten before use: ``expired`` (older than its TTL), ``evicted`` (bound) or
         ``wiped`` (the store was wiped since it was answered)."""
 
+    def arrival_dropped(self, rec: LookupRecord, reason: str) -> None:
+        """A lookup sent as its request arrived was never taken over by the request (after ``discarded``):
+        ``unclaimed`` (not claimed before its deadline: aborted before admission, say), ``prompt_changed``,
+        ``reset`` (fenced by a reset) or ``closed`` (connector/arrivals.py)."""
+
     def step_ended(self, wait_budget_s: float, held: int, cached_blocks: int,
                    interval_s: float | None = None) -> None:
         """A scheduling step ended: the next step's wait budget, the answers held for requests not yet
@@ -91,6 +98,10 @@ class NullObserver:
     def cache_cleared(self, reason: str, blocks: int) -> None:
         """The prefix cache forgot ``blocks`` blocks: ``reset``, ``epoch`` (the store was wiped, by anyone)
         or ``failure`` (a lookup failed: the master may have restarted)."""
+
+    def prefix_cache_state(self, state: str) -> None:
+        """The prefix cache turned ``on`` (the server named a store epoch), ``off`` or ``unproven`` (a cache, but
+        no epoch: nothing is cached and no hit held until the server shows the master's lease covers the ttl)."""
 
 
 def events_of(base: type) -> tuple[str, ...]:
@@ -237,6 +248,7 @@ class OutcomeCounter(NullObserver):
         self.deferrals = 0
         self.records: list[LookupRecord] = []
         self.breaker_changes: list[bool] = []
+        self.arrivals_dropped: dict[str, int] = {}  # lookups sent at arrival and never taken over, by reason
         self._keep = keep
 
     def _ended(self, rec: LookupRecord) -> None:
@@ -256,6 +268,9 @@ class OutcomeCounter(NullObserver):
 
     def breaker_changed(self, is_open: bool) -> None:
         self.breaker_changes.append(is_open)
+
+    def arrival_dropped(self, rec: LookupRecord, reason: str) -> None:
+        self.arrivals_dropped[reason] = self.arrivals_dropped.get(reason, 0) + 1
 
     def count(self, *outcomes: Outcome) -> int:
         """Lookups that ended with any of ``outcomes``."""

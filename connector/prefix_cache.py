@@ -32,6 +32,8 @@ from collections.abc import Callable, Sequence
 from mooncake_lookout.connector.config import LookupConfig
 from mooncake_lookout.connector.lookup import Lookup
 
+# What the prefix cache is doing (the ``state`` label of prefix_cache_state, metrics/catalogue.py).
+ON, OFF, UNPROVEN = "on", "off", "unproven"
 STRIDE = 16  # a found run keeps the hash of every 16th block, and of every block of its last, partial stride
 
 
@@ -120,26 +122,64 @@ class StoreView:
     only clears the cache. A refusal (``busy``, ``bad_request``) says nothing of the store and changes nothing.
     Epoch 0 means the server keeps none: nothing is cached. Without a cache (off, or a layout where a hash is
     not one block) the epoch still marks held answers stale.
+
+    Threads: the epoch and the cache are one snapshot (:attr:`known_in`, an ``(epoch, cache)`` tuple): a cache
+    object holds blocks found in its epoch only, and a new epoch swaps in a new tuple with a new cache (one
+    attribute store, atomic), then clears the old one. vLLM's input thread (arrivals.py) reads the tuple once, so
+    the known blocks it sends carry the epoch they were found in, whatever the scheduler's thread heard meanwhile
+    (it clearing the old cache only shortens what is read); the server trusts them only in that epoch. Reading
+    the cache and the epoch apart let a lookup carry blocks of the old epoch stamped with the new one, and the
+    server served them as a hit after another instance's wipe. Everything else runs on the scheduler's thread.
     """
 
-    def __init__(self, config: LookupConfig, on_clear: Callable[[str, int], None]) -> None:
+    def __init__(self, config: LookupConfig, on_clear: Callable[[str, int], None],
+                 on_state: Callable[[str], None] | None = None) -> None:
         self.config = config
-        self.cache: PrefixCache | None = None
         self.block_size = 0
-        self.epoch: int | None = None
+        # (epoch, cache): None until an answer names an epoch; the cache None while off. Replaced whole, never
+        # changed in place (but the cache's contents, on the scheduler's thread).
+        self.known_in: tuple[int | None, PrefixCache | None] = (None, None)
         self.confirmed_at = float("-inf")  # when the request of the latest answer naming the epoch was sent
         self.stale_before = float("-inf")  # answers that came before this are not served (a wipe, or a doubt)
         self._on_clear = on_clear
+        self._on_state = on_state
+        self.state = OFF  # ON, OFF or UNPROVEN (:meth:`_changed`)
         self._ttl_s = config.answer_ttl_s
         # Known blocks are skipped only while they stay trusted this long after the send: up to the lookup's
         # deadline, or half the trust window if that is shorter (an answer that outlives them is asked again).
         self._horizon_s = min(config.timeout_s, config.answer_ttl_s / 2)
 
+    @property
+    def epoch(self) -> int | None:
+        """The store's epoch as the latest answer named it (None before any; 0: the server vouches for none)."""
+        return self.known_in[0]
+
+    @property
+    def cache(self) -> PrefixCache | None:
+        """The prefix cache of the current epoch, when on."""
+        return self.known_in[1]
+
+    @property
+    def proven(self) -> bool:
+        """True while the latest answer named a store epoch: the server keeps one only once the master's lease is
+        known to cover ``lookup_answer_ttl_ms`` (server/lease.py). Until then no hit is held (answers.py)."""
+        return bool(self.known_in[0])
+
+    def _changed(self) -> None:
+        """Tell ``on_state`` when the state changes: off (no cache), on (an epoch), unproven (a cache, no epoch)."""
+        epoch, cache = self.known_in
+        state = OFF if cache is None else ON if epoch else UNPROVEN
+        if state != self.state:
+            self.state = state
+            if self._on_state is not None:
+                self._on_state(state)
+
     def enable(self, block_size: int) -> bool:
         """Cache found blocks (``lookup_prefix_cache_blocks`` of them) of ``block_size`` tokens each."""
         if self.config.lookup_prefix_cache_blocks > 0 and block_size > 0:
-            self.cache = PrefixCache(self.config.lookup_prefix_cache_blocks)
-            self.block_size = block_size
+            self.block_size = block_size  # before the cache is published: a reader that sees it sees this
+            self.known_in = (self.known_in[0], PrefixCache(self.config.lookup_prefix_cache_blocks))
+            self._changed()
         return self.cache is not None
 
     def heard(self, epoch: int, sent_at: float, received: float) -> None:
@@ -148,12 +188,17 @@ class StoreView:
 
         From 0 (none kept) to a first epoch is not a wipe, only trust beginning. From an epoch to 0 is a doubt
         (the server could not confirm its marker): nothing is cached until an epoch is named again."""
-        if epoch != self.epoch:
-            if self.epoch:
+        old, cache = self.known_in
+        if epoch != old:
+            if old:
                 self.stale_before = max(self.stale_before, received)  # what came before is stale, not this
-                self.clear("epoch")
-            self.epoch = epoch
+            # One store: a reader sees the old epoch with the old cache, or the new one with an empty one.
+            self.known_in = (epoch, PrefixCache(cache.max_blocks) if cache is not None else None)
+            if old and cache is not None and len(cache):
+                self._on_clear("epoch", cache.clear())
             self.confirmed_at = sent_at
+            if not old or not epoch:
+                self._changed()
         elif sent_at > self.confirmed_at:
             self.confirmed_at = sent_at
 
@@ -167,23 +212,25 @@ class StoreView:
         self.clear("failure")
 
     def clear(self, reason: str) -> None:
-        """Forget every cached block (``reason`` is exported: reset, epoch, failure)."""
-        if self.cache is not None and len(self.cache):
-            self._on_clear(reason, self.cache.clear())
+        """Forget every cached block (``reason`` is exported: reset, epoch, failure). The epoch stays: a reader
+        of the snapshot on the other thread reads fewer blocks, still stamped with the epoch they were found in."""
+        cache = self.known_in[1]
+        if cache is not None and len(cache):
+            self._on_clear(reason, cache.clear())
 
     def plan(self, job: Lookup, num_tokens: int, now: float, *, touch: bool = True) -> tuple[int, float] | None:
         """Mark the leading blocks of ``job`` the cache knows (the server skips them). Returns ``(hit tokens,
         valid until)`` when every block that can count is known and the epoch was confirmed within
         ``lookup_prefix_cache_confirm_ms``: the lookup needs no round trip. ``touch=False``: from vLLM's input
         thread (arrivals.py), reading the cache only; planned as it is sent, its known blocks need no recheck."""
-        cache = self.cache
-        if cache is None:
+        known_in = self.known_in  # one read: the epoch and the cache of one moment (the class's docstring)
+        if known_in[1] is None:
             return None
         countable = min(job.num_hashes, (num_tokens - 1) // self.block_size) if num_tokens > 0 else 0
         job.countable_blocks = countable
-        if countable <= 0 or not self.epoch:  # no epoch from the server yet (or it keeps none): nothing known
+        if countable <= 0 or not known_in[0]:  # no epoch from the server yet (or it keeps none): nothing known
             return None
-        known = self._know(job, now, touch)
+        known = self._know(job, now, touch, known_in)
         confirm_s = self.config.lookup_prefix_cache_confirm_ms / 1000
         if known < countable or not confirm_s or now - self.confirmed_at > confirm_s:
             return None
@@ -192,17 +239,19 @@ class StoreView:
     def recheck(self, job: Lookup, now: float) -> None:
         """``job`` is about to be sent: its known blocks must still be trusted then (see ``_horizon_s``), in this
         epoch."""
-        if job.known and (job.known_until < now + self._horizon_s or job.epoch != self.epoch):
-            self._know(job, now)
+        if job.known and (job.known_until < now + self._horizon_s or job.epoch != self.known_in[0]):
+            self._know(job, now, True, self.known_in)
 
-    def _know(self, job: Lookup, now: float, touch: bool = True) -> int:
-        """The known run of ``job`` that stays trusted until a lookup sent ``now`` is due."""
-        cache = self.cache
-        known, until = (0, now) if cache is None or not self.epoch else cache.known(
+    def _know(self, job: Lookup, now: float, touch: bool,
+              known_in: tuple[int | None, PrefixCache | None]) -> int:
+        """The known run of ``job`` that stays trusted until a lookup sent ``now`` is due, stamped with the epoch
+        of the snapshot ``known_in`` it was read from."""
+        epoch, cache = known_in
+        known, until = (0, now) if cache is None or not epoch else cache.known(
             job.block_hashes, job.countable_blocks, now + self._horizon_s, touch=touch)
         job.known_blocks = job.known = known
         job.known_until = until if known else float("inf")
-        job.epoch = self.epoch or 0
+        job.epoch = epoch or 0
         return known
 
     def valid_until(self, job: Lookup) -> float:
@@ -210,7 +259,7 @@ class StoreView:
         block it counts (its own send, or the known blocks the server skipped)."""
         assert job.t_start is not None
         until = job.t_start + self._ttl_s
-        if job.known and job.epoch == self.epoch:  # the server skipped them: they count on their old checks
+        if job.known and job.epoch == self.known_in[0]:  # the server skipped them: they count on their old checks
             until = min(until, job.known_until)
         return until
 
@@ -227,13 +276,13 @@ class StoreView:
 
     def remember(self, job: Lookup, hit_tokens: int) -> None:
         """The store answered ``job`` (sent in the current epoch) with ``hit_tokens``: cache its new blocks."""
-        cache = self.cache
-        if cache is None or not self.epoch or hit_tokens <= 0 or job.t_start is None:
+        epoch, cache = self.known_in
+        if cache is None or not epoch or hit_tokens <= 0 or job.t_start is None:
             return
         found = hit_tokens // self.block_size
-        known = job.known if job.epoch == self.epoch else 0  # known in an older epoch: the server asked all
+        known = job.known if job.epoch == epoch else 0  # known in an older epoch: the server asked all
         if found > known:
             cache.add(job.block_hashes, known, found, self.valid_until(job))
 
 
-__all__ = ["PrefixCache", "StoreView"]
+__all__ = ["OFF", "ON", "PrefixCache", "STRIDE", "StoreView", "UNPROVEN"]

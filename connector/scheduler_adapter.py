@@ -5,6 +5,7 @@ how a lookup is started, waited for, timed and forgotten:
 
 * an async lookup starts on vLLM's input thread as the request is built, during the model step, if
   ``lookup_on_arrival`` (:mod:`.input_thread`, :mod:`.arrivals`): its answer is usually in by the first call;
+  only requests of this adapter's own engine core (the one whose scheduler holds its connector) reach it;
 * else a lookup starts when the request arrives (``on_new_request``) if ``lookup_on_admission``; the lookups of
   a step leave together at the step's first call for a pending lookup (answers that came are served first;
   with the socket on this thread, a step's first few admissions leave at once), and
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.scheduler import MooncakeStoreScheduler
@@ -61,11 +63,15 @@ class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
 
     client: Any  # upstream's LookupKeyClient until __init__ replaces it with our LookupClient
 
-    def __init__(self, vllm_config: Any, kv_cache_config: Any, *, observer: LookupObserver | None = None) -> None:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, *, owner: Any = None,
+                 observer: LookupObserver | None = None) -> None:
+        """``owner``: the KV connector vLLM's scheduler holds (``LookoutMooncakeStoreConnector``): requests its
+        engine core builds reach this adapter on vLLM's input thread (:mod:`.input_thread`), and only those; with
+        none, lookups start at admission."""
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         config = LookupConfig.from_extra_config(extra)  # fail on a bad key before anything starts
-        if config.lookup_on_arrival and not input_thread.available():  # no input-thread hook in this vLLM: the
-            config = dataclasses.replace(config, lookup_on_arrival=False)  # transport is chosen for admission sends
+        if config.lookup_on_arrival and (owner is None or not input_thread.available()):  # no input-thread hook
+            config = dataclasses.replace(config, lookup_on_arrival=False)  # the transport is chosen for admission
         super().__init__(vllm_config, kv_cache_config)
         # Upstream built its own LookupKeyClient; ours replaces it (it never sent anything).
         retire_upstream_client(self.client)
@@ -89,7 +95,8 @@ class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
         self._start_at_admission = config.lookup_on_admission and self.enable_lookup
         # Async lookups start on vLLM's input thread as the request is built, when the transport allows it.
         self._arrivals = self.client.arrivals if self.enable_lookup else None
-        if self._arrivals is not None and not input_thread.listen(self._request_built):
+        self._owner = weakref.ref(owner) if owner is not None else None  # weakly: input_thread holds this adapter
+        if self._arrivals is not None and not input_thread.listen(owner, self._request_built):
             self._arrivals = None
 
     def _request_built(self, request: Any) -> None:
@@ -162,7 +169,9 @@ class LookoutMooncakeStoreScheduler(MooncakeStoreScheduler):
         """Stop the lookup client and its transport, then flush spans (safe to call twice)."""
         if self._arrivals is not None:
             self._arrivals = None
-            input_thread.stop(self._request_built)
+            owner = self._owner() if self._owner is not None else None
+            if owner is not None:  # (a collected connector left no listener behind)
+                input_thread.stop(owner, self._request_built)
         self.client.close()
         self.telemetry.close()
 

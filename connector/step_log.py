@@ -11,20 +11,24 @@ Used on the scheduler's thread only (the client writes it, the stats collector s
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
-from mooncake_lookout.connector.lookup import Lookup
+from mooncake_lookout.connector.lookup import Lookup, Outcome
 
 if TYPE_CHECKING:
     from mooncake_lookout.connector.events import ObserverSet
     from mooncake_lookout.connector.transport.base import Transport
+
+_clock = time.perf_counter
 
 
 class StepLog:
     """One step's lookups that ended (answered to the scheduler, or discarded), its deferrals and what else it
     counted; the gauges the step ended with are read from the client when the log is taken."""
 
-    __slots__ = ("ended", "sampled", "deferrals", "calls", "dropped", "clears", "breaker", "intervals")
+    __slots__ = ("ended", "sampled", "deferrals", "calls", "dropped", "arrivals_dropped", "clears", "breaker",
+                 "intervals")
 
     def __init__(self) -> None:
         self.ended: list[Lookup] = []  # each lookup once: consumed (its answer used) or discarded
@@ -32,14 +36,15 @@ class StepLog:
         self.deferrals = 0  # times the scheduler was told to ask again
         self.calls: list[float] = []  # seconds of each scheduler call into the lookup path
         self.dropped: dict[str, int] = {}  # held answers forgotten, by reason
+        self.arrivals_dropped: dict[str, int] = {}  # lookups sent at arrival and never taken over, by reason
         self.clears: dict[str, int] = {}  # prefix cache clears, by reason
         self.breaker: bool | None = None  # the breaker's state, if it changed in the step
         self.intervals: list[float] = []  # seconds between step ends
 
     def __bool__(self) -> bool:
         """True when the step did anything worth reporting."""
-        return bool(self.ended or self.deferrals or self.calls or self.dropped or self.clears
-                    or self.breaker is not None or self.intervals)
+        return bool(self.ended or self.deferrals or self.calls or self.dropped or self.arrivals_dropped
+                    or self.clears or self.breaker is not None or self.intervals)
 
 
 class Reporting:
@@ -94,6 +99,20 @@ class Reporting:
 
     def _drop(self, lk: Lookup) -> None: ...
 
+    def arrival_dropped(self, lk: Lookup, reason: str) -> None:
+        """A lookup sent at arrival that its request never took over ended (arrivals.py): ``discarded``, with why.
+        It was never the client's, so its events start here (``submitted`` first: gauges of pending stay level)."""
+        lk.outcome, lk.t_consume = Outcome.DISCARDED, _clock()
+        log = self.log
+        if log is not None:
+            log.ended.append(lk)
+            log.arrivals_dropped[reason] = log.arrivals_dropped.get(reason, 0) + 1
+        ev = self._ev
+        if ev is not None:
+            ev.submitted(lk)
+            ev.discarded(lk)
+            ev.arrival_dropped(lk, reason)
+
     def _dropped(self, lk: Lookup, reason: str, *, forget: bool = True) -> None:
         """An answer is not served (``expired``, ``wiped``, ``evicted``); ``forget``: drop its lookup too."""
         if self.log is not None:
@@ -108,6 +127,11 @@ class Reporting:
             self.log.clears[reason] = self.log.clears.get(reason, 0) + 1
         if self._ev is not None:
             self._ev.cache_cleared(reason, blocks)
+
+    def _cache_state_changed(self, state: str) -> None:
+        """The prefix cache turned on, off or unproven (rare: not in the step's log; vLLM's stats read the state)."""
+        if self._ev is not None:
+            self._ev.prefix_cache_state(state)
 
     def _breaker_changed(self, is_open: bool) -> None:
         if self.log is not None:

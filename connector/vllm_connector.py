@@ -50,7 +50,9 @@ class LookoutMooncakeStoreConnector(MooncakeStoreConnector):
             upstream = self.connector_scheduler
             if upstream is not None:
                 retire_upstream_client(upstream.client)
-            ours = self.connector_scheduler = LookoutMooncakeStoreScheduler(vllm_config, kv_cache_config)
+            # owner=self: vLLM's scheduler holds this connector, so its engine core's arrivals (and only those) reach
+            # ours (input_thread.py).
+            ours = self.connector_scheduler = LookoutMooncakeStoreScheduler(vllm_config, kv_cache_config, owner=self)
             # vLLM calls these on its engine thread once or more a request or a step, each cold after the model
             # step: straight to the scheduler side, without the hop through this class (the methods below remain
             # for the worker role and for calls through the class).

@@ -61,6 +61,9 @@ INDEX_LOST_SHARE = 0.1
 INDEX_LOST_MIN_KEYS = 100
 INDEX_WINDOW = "15m"
 WINDOW = "5m"
+# The prefix cache may wait at start-up for the lease probe (the window plus its margin: 6 s by default) and for
+# store pods to lend memory; past this it is a fault.
+PREFIX_CACHE_OFF_FOR = "5m"
 SEEN_WITHIN = "1h"
 # A target counts as down below this share of successful scrapes over WINDOW.
 UP_SHARE = 0.9
@@ -176,6 +179,14 @@ def rules() -> list[Alert]:
               "warning", "Mooncake lookup circuit breaker is open",
               f"The lookup breaker on {where} has been open for 5 minutes: every lookup answers a miss, no "
               f"prefix is reused from Mooncake. Requests still succeed."),
+        # warning: requests succeed, but long prompts ask the store for every block and no hit is held.
+        Alert("MooncakeLookupPrefixCacheOff",
+              f"max by ({', '.join(q.ALERT_BY)}) ({c.PREFIX_CACHE_STATE.name}{{state=\"unproven\"}}) == 1",
+              PREFIX_CACHE_OFF_FOR, "warning", "The lookup prefix cache has stayed off",
+              f"The prefix cache on {where} has had no store epoch from its lookup server for "
+              f"{PREFIX_CACHE_OFF_FOR}: the server's lease probe has not passed (the store has no memory lent to it "
+              f"yet, the store fails, or the master's lease is shorter than lookup_answer_ttl_ms). Lookups ask the "
+              f"store for every block and no hit is held."),
         # Rejections mean the bound was reached between scrapes: that branch reads as 100% of the bound.
         Alert("MooncakeLookupPendingNearBound",
               f"{pending}\n/\n({bound} > 0)\n> {PENDING_SHARE}\nor\nclamp({rejected} > 0, 1, 1)",
@@ -255,7 +266,7 @@ class Inhibition:
 
 
 LOOKUP_SYMPTOMS = ("MooncakeLookupTimeouts", "MooncakeLookupErrorRatioHigh", "MooncakeLookupBreakerOpen",
-                   "MooncakeLookupPendingNearBound", "MooncakeLookupDeferredStepsHigh")
+                   "MooncakeLookupPendingNearBound", "MooncakeLookupDeferredStepsHigh", "MooncakeLookupPrefixCacheOff")
 INHIBITIONS: tuple[Inhibition, ...] = (
     Inhibition(("MooncakeMasterUnreachable",),
                (*LOOKUP_SYMPTOMS, "MooncakeLookupServerDown", "MooncakeMasterReplaced", "MooncakeMasterNearCapacity"),

@@ -99,14 +99,21 @@ def _panels(p: Panels) -> list[tuple[db.Row, list[Any]]]:
                          "(lookup_wait_us, or what auto chose from the measured round trip) beside the round "
                          "trip's p90: a budget above the p90 uses most answers in the step they were asked for.",
                          [Query(q.gauge(c.WAIT_BUDGET_SECONDS.name, "max", BY_INSTANCE), "budget {{instance}}"),
-                          Query(q.quantile(c.RPC_SECONDS, 0.9, BY_INSTANCE), "round trip p90 {{instance}}")], "s"),
+                          Query(q.quantile(c.RPC_SECONDS, 0.9, BY_INSTANCE), "round trip p90 {{instance}}")], "s",
+                         width=8),
             p.timeseries("Answers held for waiting requests", "Answers kept until their requests are allocated, "
                          "against lookup_max_held; forgotten ones per second by reason (expired: older than "
                          "lookup_answer_ttl_ms; evicted: over the bound) are asked again when needed.",
                          [Query(q.gauge(c.HELD.name, "sum", BY_INSTANCE), "held {{instance}}"),
                           Query(q.gauge(c.MAX_HELD.name, "max", BY_INSTANCE), "bound {{instance}}"),
                           Query(q.counter_rate(c.ANSWERS_DROPPED, ("reason", "instance")),
-                                "dropped/s {{reason}} {{instance}}")], "none"),
+                                "dropped/s {{reason}} {{instance}}")], "none", width=8),
+            p.timeseries("Lookups sent at arrival, never taken", "Lookups sent as their request arrived "
+                         "(lookup_on_arrival) that the request never took over, per second by reason (each also "
+                         "counts as discarded; its reply is no late reply): unclaimed (aborted before admission), "
+                         "prompt_changed, reset, closed. A steady unclaimed rate is client disconnects, not the "
+                         "server.", [Query(q.counter_rate(c.ARRIVALS_DROPPED, ("reason", "instance")),
+                                           "{{reason}} {{instance}}")], "ops", width=8),
         ]),
         (p.row("Prefix cache (long prompts ask only for what is new)"), [
             p.timeseries("Blocks the prefix cache knew", "Of the blocks that could count toward a hit, the share "
@@ -119,10 +126,17 @@ def _panels(p: Panels) -> list[tuple[db.Row, list[Any]]]:
                                 "answered locally/s {{instance}}")], "percentunit"),
             p.timeseries("Prefix cache size and clears", "Blocks remembered (against lookup_prefix_cache_blocks) "
                          "and clears per second by reason: reset (this instance), epoch (the store was wiped by "
-                         "any instance, or the master restarted), failure (a lookup failed).",
+                         "any instance, or the master restarted), failure (a lookup failed); 1 while the cache is "
+                         "unproven (no store epoch from the server: nothing cached, no hit held; "
+                         "MooncakeLookupPrefixCacheOff), and a standalone server's reason (its lease probe: probing, "
+                         "store_refused: no memory lent to the store yet, lease_too_short; off by configuration).",
                          [Query(q.gauge(c.PREFIX_CACHE_BLOCKS.name, "sum", BY_INSTANCE), "blocks {{instance}}"),
                           Query(q.counter_rate(c.PREFIX_CACHE_CLEARS, ("reason", "instance")),
-                                "clears/s {{reason}} {{instance}}")], "none"),
+                                "clears/s {{reason}} {{instance}}"),
+                          Query(q.gauge(c.PREFIX_CACHE_STATE.name, "max", BY_INSTANCE, extra=['state="unproven"']),
+                                "unproven {{instance}}"),
+                          Query(q.gauge(c.SERVER_PREFIX_CACHE_STATE.name, "max", ("state", "instance"),
+                                        extra=['state!="on"']), "server {{state}} {{instance}}")], "none"),
         ]),
         (p.row("Lookup delay (what the answer costs end to end)"), [
             p.timeseries("Submit to answer used", "From submitting a lookup to the scheduler using the answer.",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mooncake_lookout.connector.arrivals import DROP_REASONS as ARRIVAL_DROP_REASONS
 from mooncake_lookout.connector.events import Outcome
 
 PREFIX = "vllm:mooncake_lookup_"
@@ -24,6 +25,10 @@ OUTCOMES: tuple[str, ...] = tuple(o.value for o in Outcome)  # the ``outcome`` l
 MODES: tuple[str, ...] = ("sync", "async", "budget")
 DROP_REASONS: tuple[str, ...] = ("expired", "evicted", "wiped")
 CACHE_CLEAR_REASONS: tuple[str, ...] = ("reset", "epoch", "failure")
+# The ``state`` label of prefix_cache_state (the client's view, prefix_cache.StoreView.state) and of
+# server_prefix_cache_state (the server's lease probe: server/lease.py STATES, checked equal by a test).
+PREFIX_CACHE_STATES: tuple[str, ...] = ("on", "off", "unproven")
+SERVER_PREFIX_CACHE_STATES: tuple[str, ...] = ("on", "probing", "store_refused", "lease_too_short", "off")
 # The ``status`` label of server_requests: ok, error (lookups answered; the store failed), bad_request (malformed
 # frames, or frames past a bound on their own), busy (lookups turned away: their peer, or all peers, at a bound
 # of what may wait in the server), refused (resets from a peer that may not wipe the store: plain TCP). The
@@ -79,6 +84,11 @@ ANSWERS_DROPPED = _m("answers_dropped", "counter",
                      "Held answers forgotten before use: expired (older than lookup_answer_ttl_ms), evicted (bound), "
                      "wiped (the store was wiped after they were answered).",
                      ("reason",))
+ARRIVALS_DROPPED = _m("arrivals_dropped", "counter",
+                      "Lookups sent as their request arrived (lookup_on_arrival) that the request never took over, "
+                      "each also counted discarded in requests: unclaimed (not claimed before its deadline: aborted "
+                      "before admission), prompt_changed (claimed with another prompt), reset (fenced by a reset), "
+                      "closed. Their replies are not late replies.", ("reason",))
 WAIT_BUDGET_SECONDS = _m("wait_budget_seconds", "gauge",
                          "The per-step wait budget in force (lookup_wait_us, or what auto chose).")
 PREFIX_CACHE_BLOCKS = _m("prefix_cache_blocks", "gauge",
@@ -92,6 +102,12 @@ PREFIX_CACHE_ANSWERS = _m("prefix_cache_answers", "counter",
 PREFIX_CACHE_CLEARS = _m("prefix_cache_clears", "counter",
                          "Times the prefix cache was cleared: reset, epoch (the store was wiped, by any instance, "
                          "or the master restarted) or failure (a lookup failed).", ("reason",))
+PREFIX_CACHE_STATE = _m("prefix_cache_state", "gauge",
+                        "1 for the prefix cache's state, 0 for the others: on; off (lookup_prefix_cache_blocks 0, the "
+                        "upstream transport, or a layout where a hash is not one block); unproven (the lookup server "
+                        "vouches for no store epoch: its lease probe has not passed, the store having no memory yet, "
+                        "or it found the master's lease too short; server_prefix_cache_state and its log say which). "
+                        "While unproven nothing is cached and no hit is held.", ("state",))
 DEFERRALS = _m("deferrals", "counter", "Times the scheduler got None and retried on a later step.")
 DEFERRED_STEPS = _m("deferred_steps", "histogram",
                     "Per lookup: scheduler steps deferred before its answer was used.", (), STEPS_BUCKETS)
@@ -110,7 +126,8 @@ STEP_INTERVAL_SECONDS = _m("step_interval_seconds", "histogram",
                            "Time between two scheduler steps as the lookup client sees them: what a step costs, and "
                            "what lookup_wait_us auto caps its wait by.", (), SECONDS_BUCKETS)
 BREAKER_OPEN = _m("breaker_open", "gauge", "1 while the circuit breaker is open.")
-LATE_REPLIES = _m("late_replies", "counter", "Replies dropped because their lookup had already ended or was unknown.")
+LATE_REPLIES = _m("late_replies", "counter", "Replies that came after their lookup's deadline, or for no lookup known: "
+                  "the server was slow (a reply in time for a lookup nobody waits for any more is not counted).")
 INFO = _m("info", "gauge", "Lookup configuration, value 1.", ("transport", "lookup_async", "mode",
                                                               "lookup_wait_us", "lookup_wait_auto_share",
                                                               "lookup_timeout_ms", "lookup_max_pending"))
@@ -139,14 +156,23 @@ SERVER_BOUNDS = _m("server_bounds", "gauge",
                    "The server's bounds on what may wait in it, per peer and in total (scope), in lookups, store keys "
                    "and bytes (measure): a frame past one is answered busy.", ("scope", "measure"), side="server")
 
+SERVER_PREFIX_CACHE_STATE = _m("server_prefix_cache_state", "gauge",
+                               "1 for the server's state, 0 for the others: on (it keeps a store epoch: the master's "
+                               "lease covers lookup_answer_ttl_ms); probing (its lease probe waits out the window); "
+                               "store_refused (the probe could not run: no memory lent to the store yet, or the store "
+                               "failed; retried with backoff); lease_too_short (refused for good); off (no epoch by "
+                               "configuration).", ("state",), side="server")
+
 CATALOGUE: tuple[MetricSpec, ...] = (
-    REQUESTS, QUERIED_TOKENS, HIT_TOKENS, PENDING, MAX_PENDING, HELD, MAX_HELD, ANSWERS_DROPPED, WAIT_BUDGET_SECONDS,
+    REQUESTS, QUERIED_TOKENS, HIT_TOKENS, PENDING, MAX_PENDING, HELD, MAX_HELD, ANSWERS_DROPPED, ARRIVALS_DROPPED,
+    WAIT_BUDGET_SECONDS,
     PREFIX_CACHE_BLOCKS, PREFIX_CACHE_QUERY_BLOCKS, PREFIX_CACHE_KNOWN_BLOCKS, PREFIX_CACHE_ANSWERS,
-    PREFIX_CACHE_CLEARS,
+    PREFIX_CACHE_CLEARS, PREFIX_CACHE_STATE,
     DEFERRALS, DEFERRED_STEPS, QUEUE_SECONDS, RPC_SECONDS, SECONDS, SCHEDULER_BLOCKED_SECONDS, STEP_INTERVAL_SECONDS,
     BREAKER_OPEN, LATE_REPLIES, INFO,
     SERVER_REQUESTS, SERVER_QUEUE_DEPTH, SERVER_INFLIGHT, SERVER_STORE_SECONDS, SERVER_BATCH_SIZE,
     SERVER_STORE_ERRORS, SERVER_WAITING_KEYS, SERVER_WAITING_BYTES, SERVER_BOUNDS,
+    SERVER_PREFIX_CACHE_STATE,
 )
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in CATALOGUE}
 
@@ -157,7 +183,7 @@ def all_series_names() -> set[str]:
 
 
 __all__ = [
-    "BY_NAME", "CACHE_CLEAR_REASONS", "CATALOGUE", "DROP_REASONS", "MODES", "MetricSpec", "OUTCOMES", "PREFIX",
-    "SECONDS_BUCKETS", "SERVER_BOUND_MEASURES", "SERVER_BOUND_SCOPES", "SERVER_BUSY", "SERVER_REFUSED",
-    "SERVER_STATUSES", "all_series_names",
+    "ARRIVAL_DROP_REASONS", "BY_NAME", "CACHE_CLEAR_REASONS", "CATALOGUE", "DROP_REASONS", "MODES", "MetricSpec",
+    "OUTCOMES", "PREFIX", "PREFIX_CACHE_STATES", "SECONDS_BUCKETS", "SERVER_BOUND_MEASURES", "SERVER_BOUND_SCOPES",
+    "SERVER_BUSY", "SERVER_PREFIX_CACHE_STATES", "SERVER_REFUSED", "SERVER_STATUSES", "all_series_names",
 ]

@@ -64,6 +64,8 @@ class PrometheusSink(NullObserver):
         self._max_held = make_metric(cat.MAX_HELD, registry)
         dropped = make_metric(cat.ANSWERS_DROPPED, registry)
         self._dropped = {r: dropped.labels(r) for r in cat.DROP_REASONS}
+        arrivals = make_metric(cat.ARRIVALS_DROPPED, registry)
+        self._arrivals_dropped = {r: arrivals.labels(r) for r in cat.ARRIVAL_DROP_REASONS}
         self._budget = make_metric(cat.WAIT_BUDGET_SECONDS, registry)
         self._cache_blocks = make_metric(cat.PREFIX_CACHE_BLOCKS, registry)
         self._cache_query = make_metric(cat.PREFIX_CACHE_QUERY_BLOCKS, registry)
@@ -71,6 +73,9 @@ class PrometheusSink(NullObserver):
         self._cache_answers = make_metric(cat.PREFIX_CACHE_ANSWERS, registry)
         clears = make_metric(cat.PREFIX_CACHE_CLEARS, registry)
         self._cache_clears = {r: clears.labels(r) for r in cat.CACHE_CLEAR_REASONS}
+        states = make_metric(cat.PREFIX_CACHE_STATE, registry)
+        self._cache_state = {s: states.labels(s) for s in cat.PREFIX_CACHE_STATES}
+        self.prefix_cache_state("off")  # until the client says otherwise (it tells only of changes)
         self._deferrals = make_metric(cat.DEFERRALS, registry)
         self._deferred_steps = make_metric(cat.DEFERRED_STEPS, registry)
         self._queue = make_metric(cat.QUEUE_SECONDS, registry)
@@ -137,6 +142,9 @@ class PrometheusSink(NullObserver):
     def answer_dropped(self, rec: LookupRecord, reason: str) -> None:
         self._dropped[reason].inc()
 
+    def arrival_dropped(self, rec: LookupRecord, reason: str) -> None:
+        self._arrivals_dropped[reason].inc()
+
     def step_ended(self, wait_budget_s: float, held: int, cached_blocks: int,
                    interval_s: float | None = None) -> None:
         self._budget.set(wait_budget_s)
@@ -147,6 +155,10 @@ class PrometheusSink(NullObserver):
 
     def cache_cleared(self, reason: str, blocks: int) -> None:
         self._cache_clears[reason].inc()
+
+    def prefix_cache_state(self, state: str) -> None:
+        for name, child in self._cache_state.items():
+            child.set(1 if name == state else 0)
 
     def scheduler_call(self, mode: str, seconds: float) -> None:
         child = self._blocked.get(mode)

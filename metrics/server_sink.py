@@ -33,6 +33,8 @@ class ServerMetrics(ServerObserver):
         self._waiting_keys = make_metric(cat.SERVER_WAITING_KEYS, registry)
         self._waiting_bytes = make_metric(cat.SERVER_WAITING_BYTES, registry)
         self._bounds = make_metric(cat.SERVER_BOUNDS, registry)
+        states = make_metric(cat.SERVER_PREFIX_CACHE_STATE, registry)
+        self._cache_state = {s: states.labels(s) for s in cat.SERVER_PREFIX_CACHE_STATES}  # every series from the start
 
     def queue_depth(self, depth: int) -> None:
         self._queue_depth.set(depth)
@@ -53,6 +55,10 @@ class ServerMetrics(ServerObserver):
         self._batch_size.observe(batch_size)
         if failed:
             self._store_errors.inc()
+
+    def prefix_cache_state(self, state: str) -> None:
+        for name, child in self._cache_state.items():
+            child.set(1 if name == state else 0)
 
     def answered(self, status: str, count: int = 1) -> None:
         child = self._status.get(status)

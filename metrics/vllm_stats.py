@@ -65,12 +65,14 @@ _MAX_PENDING = cat.MAX_PENDING.key
 _HELD = cat.HELD.key
 _MAX_HELD = cat.MAX_HELD.key
 _DROPPED = cat.ANSWERS_DROPPED.key
+_ARRIVALS_DROPPED = cat.ARRIVALS_DROPPED.key
 _BUDGET = cat.WAIT_BUDGET_SECONDS.key
 _CACHE_BLOCKS = cat.PREFIX_CACHE_BLOCKS.key
 _CACHE_QUERY = cat.PREFIX_CACHE_QUERY_BLOCKS.key
 _CACHE_KNOWN = cat.PREFIX_CACHE_KNOWN_BLOCKS.key
 _CACHE_ANSWERS = cat.PREFIX_CACHE_ANSWERS.key
 _CACHE_CLEARS = cat.PREFIX_CACHE_CLEARS.key
+_CACHE_STATE = cat.PREFIX_CACHE_STATE.key
 _BREAKER = cat.BREAKER_OPEN.key
 _STEPS = cat.DEFERRED_STEPS.key
 _QUEUE = cat.QUEUE_SECONDS.key
@@ -192,14 +194,17 @@ class LookupStatsCollector:
         return LookoutLookupStats(data={STATS_KEY: [{
             _LOOKUPS: list(map(_row, log.ended)), _PENDING: client.pending, _HELD: client.held,
             _BUDGET: client.budget.in_force_s, _CACHE_BLOCKS: len(client.cache or ()), _DEFERRALS: log.deferrals,
-            _LATE: late, _DROPPED: log.dropped, _CACHE_CLEARS: log.clears, _INTERVAL: log.intervals,
-            _BLOCKED: {self._mode: log.calls}, _BREAKER: log.breaker}]})
+            _LATE: late, _DROPPED: log.dropped, _ARRIVALS_DROPPED: log.arrivals_dropped, _CACHE_CLEARS: log.clears,
+            _INTERVAL: log.intervals, _BLOCKED: {self._mode: log.calls}, _BREAKER: log.breaker,
+            _CACHE_STATE: client.store_view.state}]})
 
 
 def step_figures(raw: dict[str, Any]) -> dict[str, Any]:
     """One step's figures from its raw record: outcomes counted, tokens summed, the lookups' times as the
     histograms' observations; the gauges as they were; a counter, list or change only when it has something."""
     step: dict[str, Any] = {key: raw[key] for key in (_PENDING, _HELD, _BUDGET, _CACHE_BLOCKS)}
+    if (state := raw.get(_CACHE_STATE)) is not None:  # a gauge of one label value: on, off or unproven
+        step[_CACHE_STATE] = state
     requests: dict[str, int] = {}
     step[_REQUESTS] = requests
     rows = raw[_LOOKUPS]
@@ -233,8 +238,8 @@ def step_figures(raw: dict[str, Any]) -> dict[str, Any]:
         step.update({_STEPS: steps, _QUEUE: queue, _RPC: rpc, _SECONDS: seconds, _QUERIED: queried, _HIT: hit})
         if cache_query:
             step.update({_CACHE_QUERY: cache_query, _CACHE_KNOWN: cache_known, _CACHE_ANSWERS: cache_answers})
-    for key in (_DEFERRALS, _LATE, _DROPPED, _CACHE_CLEARS, _INTERVAL):
-        if raw[key]:
+    for key in (_DEFERRALS, _LATE, _DROPPED, _ARRIVALS_DROPPED, _CACHE_CLEARS, _INTERVAL):
+        if raw.get(key):
             step[key] = raw[key]
     if any(raw[_BLOCKED].values()):
         step[_BLOCKED] = raw[_BLOCKED]
@@ -274,8 +279,12 @@ class LookoutPromMetrics(KVConnectorPromMetrics):
                 self._child(engine_idx, _REQUESTS, outcome)
             for reason in cat.DROP_REASONS:
                 self._child(engine_idx, _DROPPED, reason)
+            for reason in cat.ARRIVAL_DROP_REASONS:
+                self._child(engine_idx, _ARRIVALS_DROPPED, reason)
             for reason in cat.CACHE_CLEAR_REASONS:
                 self._child(engine_idx, _CACHE_CLEARS, reason)
+            for state in cat.PREFIX_CACHE_STATES:
+                self._child(engine_idx, _CACHE_STATE, state)
             for key in (*_COUNTERS, _PENDING, _BREAKER, _HELD, _BUDGET, _CACHE_BLOCKS):
                 self._child(engine_idx, key)
         self._publish_info(vllm_config)
@@ -333,6 +342,8 @@ class LookoutPromMetrics(KVConnectorPromMetrics):
                 child.observe(value)
         for reason, n in step.get(_DROPPED, {}).items():
             self._child(engine_idx, _DROPPED, reason).inc(n)
+        for reason, n in step.get(_ARRIVALS_DROPPED, {}).items():
+            self._child(engine_idx, _ARRIVALS_DROPPED, reason).inc(n)
         for reason, n in step.get(_CACHE_CLEARS, {}).items():
             self._child(engine_idx, _CACHE_CLEARS, reason).inc(n)
         for key in (_PENDING, _HELD, _BUDGET, _CACHE_BLOCKS):
@@ -340,6 +351,9 @@ class LookoutPromMetrics(KVConnectorPromMetrics):
                 self._child(engine_idx, key).set(step[key])
         if _BREAKER in step:
             self._child(engine_idx, _BREAKER).set(step[_BREAKER])
+        if (state := step.get(_CACHE_STATE)) is not None:
+            for name in cat.PREFIX_CACHE_STATES:
+                self._child(engine_idx, _CACHE_STATE, name).set(1 if name == state else 0)
 
 
 def build_kv_connector_stats(data: dict[str, Any] | None = None) -> LookoutLookupStats:

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
 REQUIRED = {"MooncakeLookupTimeouts", "MooncakeLookupErrorRatioHigh", "MooncakeLookupBreakerOpen",
             "MooncakeLookupPendingNearBound", "MooncakeLookupDeferredStepsHigh", "MooncakeLookupServerDown",
             "MooncakeLookupMetricsAbsent", "MooncakeMasterUnreachable", "MooncakeMasterReplaced",
-            "MooncakeMasterNearCapacity", "MooncakeMasterNeverScraped"}
+            "MooncakeMasterNearCapacity", "MooncakeMasterNeverScraped", "MooncakeLookupPrefixCacheOff"}
 # Severity by reasoning (docs/runbook.md, "Severities and inhibitions"): only the master, whose loss empties the
 # store for every engine and blocks the worker's store calls, pages; every lookup failure is a miss.
 CRITICAL = {"MooncakeMasterUnreachable"}
@@ -90,6 +90,7 @@ MUTATIONS = {
         "MooncakeMasterReplaced", f"< {alerts.INDEX_LOST_SHARE} *", "< 0.001 *"),
     "engines without the plugin go unnoticed": ("MooncakeLookupMetricsAbsent", "(up == 1)", "(up == 2)"),
     "a master that answers no scrape goes unnoticed": ("MooncakeMasterNeverScraped", "\n== 0", "\n== 1"),
+    "a prefix cache off by choice pages": ("MooncakeLookupPrefixCacheOff", 'state="unproven"', 'state!="on"'),
 }
 
 

@@ -216,3 +216,130 @@ def test_a_lookup_sent_at_arrival_skips_the_blocks_the_prefix_cache_knows(stack,
     got = c.lookup("t2", 12 * BLOCK + 1, hashes, non_block=True)
     assert got is not None and got.hit_length == 12 * BLOCK
     assert got.known_blocks == 8 and got.epoch  # sent with 8 blocks known: the server asked for the last 4 only
+
+
+@pytest.fixture
+def served(index: PrefixIndex) -> Iterator[tuple[Any, Callable[..., tuple[LookupClient, OutcomeCounter]]]]:
+    """A real LookupServer (its counts read back) and a maker of clients over it; all closed after."""
+    made: list[LookupClient] = []
+    with LookupServer(index) as server:
+        def make(**config: Any) -> tuple[LookupClient, OutcomeCounter]:
+            cfg = LookupConfig(**{"lookup_async": True, "lookup_transport": "pipelined", "lookup_timeout_ms": 5000,
+                                  **config})
+            counter = OutcomeCounter()
+            made.append(LookupClient(cfg, make_transport(cfg, server.address), observer=counter))
+            return made[-1], counter
+
+        yield server, make
+        for c in made:
+            c.close()
+
+
+def _lookups_answered(server: Any, resets: int) -> int:
+    return server.stats.answered_by_status["ok"] - resets  # a reset is answered "ok" too
+
+
+def test_every_lookup_the_server_answered_ends_with_an_outcome_despite_aborts_re_adds_and_a_reset(served,
+                                                                                                   filler) -> None:
+    """Requests arrive (their lookups leave from the input thread); some are aborted before admission, some are
+    admitted with another prompt, some are fenced by a reset; the rest are served. The client reports an outcome
+    for every lookup the server answered (the dropped ones as discarded, with why), and no reply is late."""
+    server, make = served
+    c, counter = make(lookup_timeout_ms=300)
+    reqs = shared_prefix_workload(14, prefix_blocks=2, unique_blocks=3, seed=21)
+    filler.store_prefixes([r.block_hashes for r in reqs])
+    other = shared_prefix_workload(3, prefix_blocks=1, unique_blocks=4, seed=22)
+    for r in reqs[:10]:
+        assert _on_input_thread(lambda r=r: c.arrivals.send(r.req_id, r.num_tokens, list(r.block_hashes)))
+    _until(lambda: _lookups_answered(server, 0) == 10)  # all sent (one dropped before it leaves is never sent)
+    re_added, kept = reqs[3:6], reqs[6:10]  # reqs[:3] are aborted before admission: never claimed
+    for r, o in zip(re_added, other):  # the same request ids, another prompt: asked again
+        got = c.lookup(r.req_id, o.num_tokens, list(o.block_hashes))
+        assert got is not None and got.outcome in (Outcome.HIT, Outcome.MISS)
+        c.discard(r.req_id)
+    for r in kept:
+        got = c.lookup(r.req_id, r.num_tokens, list(r.block_hashes))
+        assert got is not None and got.hit_length == 5 * BLOCK
+        c.discard(r.req_id)
+    _until(lambda: (c.end_step(), len(c.arrivals) == 0)[1])  # the aborted ones, once past their deadline
+    fenced = reqs[10:]
+    for r in fenced:
+        assert _on_input_thread(lambda r=r: c.arrivals.send(r.req_id, r.num_tokens, list(r.block_hashes)))
+    assert c.reset()
+    for r in fenced:  # admitted after the wipe: asked again
+        got = c.lookup(r.req_id, r.num_tokens, list(r.block_hashes))
+        assert got is not None and got.outcome is Outcome.MISS
+        c.discard(r.req_id)
+    sent = len(reqs) + len(re_added) + len(fenced)  # 14 at arrival, then 3 re-asked and 4 asked after the wipe
+    _until(lambda: _lookups_answered(server, 1) == sent and c.transport.in_flight == 0)
+    c.transport.collect()
+    assert sum(counter.outcomes.values()) == _lookups_answered(server, 1) == sent
+    assert counter.arrivals_dropped == {"unclaimed": 3, "prompt_changed": 3, "reset": 4}
+    assert counter.outcomes[Outcome.DISCARDED] == 10 and counter.outcomes[Outcome.HIT] == len(kept)
+    assert c.transport.late_replies == 0 and c.pending == 0
+
+
+class _Slow:
+    """The real index behind an INJECTED delay (0.2 s a store call, far within the lookups' 5 s deadline): the
+    lookups are dropped while the server holds them, before their replies come. Records what it was asked."""
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self.index, self.asked = index, 0
+
+    def lookup_many(self, queries: Any) -> Any:
+        self.asked += len(queries)
+        time.sleep(0.2)
+        return self.index.lookup_many(queries)
+
+    def lookup(self, n: int, h: Any) -> Any:
+        return self.lookup_many([(n, h)])[0]
+
+    def reset(self) -> bool:
+        return self.index.reset()
+
+
+def test_a_dropped_arrival_lookups_reply_is_no_late_reply_and_reaches_the_metrics(index, filler) -> None:
+    """Dropped while the server holds them (another prompt, or a reset's fence): their replies, in time, are not
+    counted as late (the "server slow" signal); the drops reach vLLM's stats record and a Prometheus sink."""
+    from prometheus_client import CollectorRegistry
+
+    from mooncake_lookout.metrics import catalogue as cat
+    from mooncake_lookout.metrics.prometheus_sink import PrometheusSink
+    from mooncake_lookout.metrics.vllm_stats import LookupStatsCollector, step_figures
+
+    slow = _Slow(index)
+    with LookupServer(slow) as server:
+        cfg = LookupConfig(lookup_async=True, lookup_transport="pipelined", lookup_timeout_ms=5000)
+        counter = OutcomeCounter()
+        c = LookupClient(cfg, make_transport(cfg, server.address), observer=counter)
+        try:
+            registry = CollectorRegistry()
+            c.observers.add(PrometheusSink(registry=registry))
+            stats = LookupStatsCollector(c, every_s=0)
+            reqs = shared_prefix_workload(8, prefix_blocks=1, unique_blocks=3, seed=23)
+            filler.store_prefixes([r.block_hashes for r in reqs])
+            for r in reqs[:4]:
+                assert _on_input_thread(lambda r=r: c.arrivals.send(r.req_id, r.num_tokens, list(r.block_hashes)))
+            _until(lambda: slow.asked >= 4)  # the server holds them
+            for r in reqs[:4]:  # taken with another prompt (a longer one)
+                assert c.arrivals.take(r.req_id, r.num_tokens + BLOCK, [*r.block_hashes, b"x" * 32],
+                                       c.generation) is None
+            for r in reqs[4:]:
+                assert _on_input_thread(lambda r=r: c.arrivals.send(r.req_id, r.num_tokens, list(r.block_hashes)))
+            _until(lambda: slow.asked >= 8)
+            c.arrivals.reset()  # the reset's fence alone: the rest dropped at once
+            _until(lambda: server.stats.answered_by_status["ok"] == 8 and c.transport.in_flight == 0)
+            c.transport.collect()
+            assert c.transport.late_replies == 0
+            assert counter.arrivals_dropped == {"prompt_changed": 4, "reset": 4}
+            assert counter.outcomes[Outcome.DISCARDED] == 8
+            figures = step_figures(stats.take().data["mooncake_lookout"][0])
+            assert figures[cat.ARRIVALS_DROPPED.key] == {"prompt_changed": 4, "reset": 4}
+            assert figures[cat.REQUESTS.key] == {"discarded": 8} and cat.LATE_REPLIES.key not in figures
+            name = cat.ARRIVALS_DROPPED.sample_names[0]
+            assert registry.get_sample_value(name, {"reason": "prompt_changed"}) == 4
+            assert registry.get_sample_value(name, {"reason": "reset"}) == 4
+            assert registry.get_sample_value(cat.PENDING.name) == 0
+            assert registry.get_sample_value(cat.REQUESTS.sample_names[0], {"outcome": "discarded"}) == 8
+        finally:
+            c.close()

@@ -308,13 +308,12 @@ def test_the_messages_troubleshooting_quotes_are_the_codes() -> None:
     from mooncake_lookout.connector.server import lease
 
     source = Path(lease.__file__).read_text()
-    raised = source.split("raise LeaseTooShort(", 1)[1].split(")\n", 1)[0]
-    template = "".join(re.findall(r'f?"([^"]*)"', raised))  # the f-string, filled as at the defaults (ttl 5000 ms)
-    ttl_s = 5.0
-    fill = {"ttl_s": ttl_s, "window_s": lease.probe_window_s(ttl_s), "LOAD_MARGIN_SHARE": lease.LOAD_MARGIN_SHARE}
-    message = eval(f"f{template!r}", {}, fill)  # noqa: S307 - the project's own source, read back
-    logged = re.search(r'logger\.error\("%s ([^"]+)", e\)', source)
-    assert logged and quoted_error == f"{message} {logged.group(1)}"
+    assert "raise LeaseTooShort(lease_rule(ttl_s, lease_s, measured=True), lease_s)" in source
+    seen = re.search(r"the lease is about (\d+) ms", quoted_error)
+    assert seen, quoted_error
+    message = lease.lease_rule(5.0, int(seen.group(1)) / 1000, measured=True)  # the defaults' ttl, 5000 ms
+    logged = re.search(r'logger\.error\("%s([^"]+)", e\)', source)
+    assert logged and quoted_error == f"{message}{logged.group(1)}"
 
 
 # -- the README is a landing page -------------------------------------------------------------------------------

@@ -101,3 +101,29 @@ def test_serve_with_an_embedded_master_names_the_url_doctor_needs() -> None:
         assert "ok    master /health" in done.stdout
     finally:
         serve.kill()
+
+
+def test_doctor_refuses_a_ttl_the_masters_lease_cannot_cover_and_names_the_lease(private_master: Any) -> None:
+    """``doctor --master`` runs the lookup server's lease probe: with the private master's 500 ms lease, a
+    2000 ms lookup_answer_ttl_ms fails in one line naming the key, about how long the lease is and the rule; a
+    200 ms one (240 ms with the load's margin) passes."""
+    import json
+
+    from mooncake_lookout.connector.server.store import open_writer_store
+
+    writer = open_writer_store(private_master.rpc_address, rpc_timeout_ms=2000)  # lends the probe's key memory
+    try:
+        done = subprocess.run([str(SCRIPT), "doctor", "--master", private_master.rpc_address, "--config",
+                               json.dumps({"lookup_answer_ttl_ms": 2000})], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 1, done.stdout + done.stderr
+        (line,) = [x for x in done.stdout.splitlines() if x.startswith("FAIL  master lease")]
+        assert "lookup_answer_ttl_ms 2000 ms needs" in line and "at least 2400 ms" in line, line
+        assert re.search(r"the lease is about \d+ ms: set lookup_answer_ttl_ms to at most half", line), line
+        done = subprocess.run([str(SCRIPT), "doctor", "--master", private_master.rpc_address, "--config",
+                               json.dumps({"lookup_answer_ttl_ms": 200})], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "ok    master lease: the key lease covers 240 ms" in done.stdout, done.stdout
+    finally:
+        writer.close()

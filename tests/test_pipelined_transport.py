@@ -522,3 +522,69 @@ def test_a_lookup_admitted_with_the_socket_on_its_own_thread_waits_for_the_steps
             assert all(lk is not None and lk.t_queued is None for lk in started)
         finally:
             client.close()
+
+
+def test_a_forgotten_lookups_reply_is_late_only_past_its_deadline(Pipelined: type[Transport], filler: PrefixIndex,
+                                                                  index: PrefixIndex) -> None:
+    """A lookup nobody waits for any more (its request went away) and answered in time is no late reply (the
+    "server slow" signal); one answered past its deadline is, forgotten or not."""
+    reqs, _ = _fill(filler, 3, seed=7)
+    asked: list[int] = []
+    with LookupServer(_Slow(index, asked)) as server:
+        transport = Pipelined(server.address, timeout_s=5.0)
+        try:
+            in_time, past, kept = (_job(r.num_tokens, r.block_hashes, t, req_id=f"r{i}")
+                                   for i, (r, t) in enumerate(zip(reqs, (5.0, 0.05, 5.0))))
+            transport.send([in_time, past, kept])
+            _poll(lambda: sum(asked) >= 3)  # the server holds all three
+            for lk in (in_time, past):  # what the client does when a request goes away
+                transport.forget(lk)
+                lk.finish(Outcome.DISCARDED, time.perf_counter())
+            _wait_all(transport, [kept])
+            _poll(lambda: transport.collect() or transport.late_replies >= 1)
+            _poll(lambda: transport.collect() or transport.in_flight == 0)
+            assert kept.outcome in (Outcome.HIT, Outcome.MISS)
+            assert transport.late_replies == 1  # the one past its deadline only
+        finally:
+            transport.close()
+
+
+class _Slow:
+    """The real index behind an INJECTED 0.2 s delay a store call (lookups are forgotten while the server holds them);
+    ``asked`` gets each call's size."""
+
+    def __init__(self, index: PrefixIndex, asked: list[int]) -> None:
+        self.index, self.asked = index, asked
+
+    def lookup_many(self, queries: Any) -> Any:
+        self.asked.append(len(queries))
+        time.sleep(0.2)
+        return self.index.lookup_many(queries)
+
+    def lookup(self, n: int, h: Any) -> Any:
+        return self.lookup_many([(n, h)])[0]
+
+    def reset(self) -> bool:
+        return self.index.reset()
+
+
+def test_the_upstream_transport_counts_no_late_reply_for_a_lookup_forgotten_and_answered_in_time(
+        filler: PrefixIndex, index: PrefixIndex) -> None:
+    """The same rule over vLLM's wire (our server speaks it too): forgotten while the server holds it, answered
+    within its deadline, its reply is dropped without being counted."""
+    reqs, _ = _fill(filler, 2, seed=8)
+    asked: list[int] = []
+    with LookupServer(_Slow(index, asked)) as server:
+        transport = UpstreamTransport(server.address)
+        try:
+            forgotten, kept = (_job(r.num_tokens, r.block_hashes, 5.0, req_id=f"u{i}") for i, r in enumerate(reqs))
+            transport.send([forgotten, kept])
+            _poll(lambda: sum(asked) >= 1)  # the server holds the first (one lookup in flight at a time)
+            transport.forget(forgotten)
+            forgotten.finish(Outcome.DISCARDED, time.perf_counter())
+            _wait_all(transport, [kept])
+            assert kept.outcome in (Outcome.HIT, Outcome.MISS) and sum(asked) == 2
+            transport.collect()
+            assert transport.late_replies == 0
+        finally:
+            transport.close()

@@ -8,6 +8,7 @@ master whose lease is shorter than the cache's window.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -23,6 +24,7 @@ from mooncake_lookout.connector.server import LookupServer
 from mooncake_lookout.connector.server.lease import LeaseTooShort, check_lease
 from mooncake_lookout.connector.server.prefix_index import PrefixIndex
 from mooncake_lookout.connector.server.store import open_writer_store
+from mooncake_lookout.connector.transport import make_transport
 from mooncake_lookout.connector.transport.pipelined import PipelinedTransport
 
 pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
@@ -200,6 +202,61 @@ def test_a_reset_by_another_instance_sharing_the_master_serves_nothing_from_the_
         assert a.clears.reasons == ["epoch"]
         prefix_index.store_prefixes([hashes])
         assert a.ask(req).hit_length == 64 * BLOCK  # and it learns again
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_arrival_lookup_split_by_a_wipe_heard_on_the_scheduler_thread_serves_nothing_wiped(
+        store: Any, prefix_index: PrefixIndex, make_hashes: Any) -> None:
+    """Issue 49, item 1, forced: vLLM's input thread plans an arrival lookup (reads the prefix cache), and between
+    that read and its epoch stamp the scheduler's thread (a real thread, run to its end inside a hook on the
+    cache read) takes in a reply naming the new epoch after another instance's wipe. The old client read the
+    epoch after the cache: it sent the old epoch's 64 blocks stamped with the new epoch, the server trusted
+    them and a 64-block hit was served for blocks the store no longer held."""
+    a = Instance(store, prefix_index.namespace, lookup_async=True)  # async: lookups sent at arrival
+    a.client.close()
+    a.client = LookupClient(a.config, make_transport(a.config, a.server.address), observer=a.clears)
+    b = Instance(store, prefix_index.namespace)
+    try:
+        assert a.client.enable_prefix_cache(BLOCK) and a.client.arrivals is not None
+        hashes = make_hashes(68, seed=12)
+        prefix_index.store_prefixes([hashes[:64]])
+        first = a.client.lookup("turn1", 64 * BLOCK + 1, hashes[:64])  # blocking: found, cached in this epoch
+        assert first is not None and first.hit_length == 64 * BLOCK
+        a.client.discard("turn1")
+        old_epoch, cache = a.client.store_view.epoch, a.client.cache
+        assert old_epoch and cache is not None and cache.known(hashes, 64, time.perf_counter())[0] == 64
+        assert b.client.reset()  # another instance wipes the shared store: none of the 68 blocks is held
+
+        heard: list[int | None] = []
+        read = cache.known
+
+        def scheduler_thread() -> None:  # another request's lookup: its reply names the store's new epoch
+            a.client.lookup("other", 4 * BLOCK + 1, make_hashes(4, seed=13))
+            heard.append(a.client.store_view.epoch)
+
+        def hooked(*args: Any, **kwargs: Any) -> Any:
+            out = read(*args, **kwargs)  # the cache as the input thread read it
+            if threading.current_thread().name == "input" and not heard:
+                other = threading.Thread(target=scheduler_thread, name="scheduler")
+                other.start()
+                other.join(10.0)
+            return out
+
+        cache.known = hooked  # type: ignore[method-assign]
+        sent: list[bool] = []
+        thread = threading.Thread(target=lambda: sent.append(a.client.arrivals.send(  # type: ignore[union-attr]
+            "turn2", 68 * BLOCK + 1, hashes)), name="input")
+        thread.start()
+        thread.join(10.0)
+        assert sent == [True] and heard and heard[0] not in (None, old_epoch), heard  # the split happened
+        end = time.monotonic() + 10
+        while (result := a.client.lookup("turn2", 68 * BLOCK + 1, hashes, True)) is None:
+            assert time.monotonic() < end, "no answer"
+            a.client.end_step()
+            time.sleep(0.001)
+        assert result.hit_length == 0, f"served a {result.hit_length // BLOCK}-block hit; the store holds none"
     finally:
         a.close()
         b.close()

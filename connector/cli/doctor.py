@@ -10,7 +10,11 @@ Checks, each reported ``ok`` or ``FAIL`` with the reason and what to do:
   ``LookupKeyServer`` format, ``pipelined``: ours) within the deadline; the round-trip latency of
   ``--samples`` probe lookups (a cold prefix: a miss is the expected answer, an error is not). With the
   ``lookup_curve_*`` keys of ``--config``, the pipelined probe uses CURVE; a refused handshake is named;
-* ``--master-metrics``: the Mooncake master's ``/health`` and ``/metrics`` (keys, clients, failures).
+* ``--master-metrics``: the Mooncake master's ``/health`` and ``/metrics`` (keys, clients, failures);
+* ``--master``: the master's key lease covers ``lookup_answer_ttl_ms`` (of ``--config``, else the default) and
+  the load's margin, as the lookup server's probe checks it (server/lease.py): a FAIL line names the key, about
+  how long the lease is, and the rule. Takes up to the window and its margin (6 s by default); the probe puts
+  one key, so the store needs memory lent to it.
 
 Exit code 0 when every check passed, 1 when one failed, 2 when there was nothing to check.
 """
@@ -254,6 +258,29 @@ def check_master(url: str, timeout_s: float = 2.0) -> list[Finding]:
     return out + [Finding("master /metrics", ok, detail)]
 
 
+def check_master_lease(address: str, ttl_s: float) -> Finding:
+    """Does the key lease of the master at ``address`` (``host:port``) cover a trust window of ``ttl_s``?"""
+    from mooncake_lookout.connector.server.lease import LeaseTooShort, check_lease, probe_window_s
+    from mooncake_lookout.connector.server.store import MARKER_LOCAL_BUFFER, MasterError, open_store
+
+    check = "master lease"
+    try:
+        store = open_store(address, local_buffer_size=MARKER_LOCAL_BUFFER, setup_retries=1, rpc_timeout_ms=5000)
+    except MasterError as exc:
+        return Finding(check, False, str(exc))
+    try:
+        check_lease(store, "mooncake-lookout-doctor/", ttl_s)
+    except LeaseTooShort as exc:
+        return Finding(check, False, str(exc))
+    except Exception as exc:  # noqa: BLE001 - the probe could not run: say why
+        return Finding(check, False, f"the lease probe could not run ({exc}); is memory lent to the store (a "
+                                     f"store pod, or an engine with a global segment)?")
+    finally:
+        store.close()
+    return Finding(check, True, f"the key lease covers {probe_window_s(ttl_s) * 1000:g} ms: lookup_answer_ttl_ms "
+                                f"({ttl_s * 1000:g} ms) and the load's margin")
+
+
 def run_doctor(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Run the checks the arguments ask for, print one line each (to ``out``, default stdout); returns the exit code."""
     out = out if out is not None else sys.stdout
@@ -273,8 +300,11 @@ def run_doctor(args: argparse.Namespace, out: TextIO | None = None) -> int:
                                          config=config))
     if args.master_metrics:
         findings += check_master(args.master_metrics)
+    if args.master:
+        ttl_s = (config if config is not None else LookupConfig()).answer_ttl_s
+        findings.append(check_master_lease(args.master, ttl_s))
     if not findings:
-        out.write("nothing to check: give --server, --master-metrics and/or --config (see --help)\n")
+        out.write("nothing to check: give --server, --master-metrics, --master and/or --config (see --help)\n")
         return 2
     for f in findings:
         out.write(f.line() + "\n")
@@ -290,6 +320,8 @@ def add_doctor_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--server", metavar="ADDRESS", help="lookup server: ipc://PATH or tcp://HOST:PORT")
     p.add_argument("--wire", choices=TRANSPORTS, help="probe only this wire format (default: both)")
     p.add_argument("--master-metrics", metavar="URL", help="the master's HTTP base URL, e.g. http://127.0.0.1:9003")
+    p.add_argument("--master", metavar="HOST:PORT",
+                   help="the master's RPC address: check its key lease covers lookup_answer_ttl_ms (of --config)")
     p.add_argument("--config", metavar="JSON|@FILE",
                    help="kv_connector_extra_config, or a whole --kv-transfer-config, to validate")
     p.add_argument("--samples", type=int, default=20, help="probe lookups per wire format (default 20)")
@@ -299,4 +331,4 @@ def add_doctor_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 __all__ = ["Finding", "TRANSFER_KEYS", "TransportNotes", "add_doctor_parser", "check_config", "check_ipc_path",
-           "check_master", "probe_server", "run_doctor"]
+           "check_master", "check_master_lease", "probe_server", "run_doctor"]

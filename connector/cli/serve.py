@@ -3,7 +3,9 @@
 Why: demo, bench, tests and deployments without a vLLM worker need the same server the worker runs
 in-process. It listens on a private IPC socket unless told otherwise (TCP binds loopback by default),
 prints ``listening on <address>`` once it serves, exposes ``/metrics`` when ``--metrics-port`` is given,
-and stops cleanly on SIGTERM / SIGINT.
+and stops cleanly on SIGTERM / SIGINT. It refuses (exit code 2, one line naming the window, the lease and the
+rule) a ``--lease-window-ms`` the master's key lease cannot cover: at once with ``--embedded-master`` (its lease
+is known), else as soon as its lease probe sees the lease end (server/lease.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from mooncake_lookout.connector.cli.serve_vllm_layout import (
     vllm_layout_backend,
 )
 from mooncake_lookout.connector.config import LookupConfig
+from mooncake_lookout.connector.server import lease
 from mooncake_lookout.connector.server.observer import ServerObserver
 
 logger = logging.getLogger(__name__)
@@ -48,8 +51,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--metrics-host", default="127.0.0.1", help="address for /metrics (default 127.0.0.1)")
     ttl = LookupConfig().lookup_answer_ttl_ms
     p.add_argument("--lease-window-ms", type=float, default=ttl, metavar="MS",
-                   help="the clients' lookup_answer_ttl_ms: clients may cache found blocks once the master's key "
-                        f"lease is known to cover it (default {ttl:g}; 0: no store epoch, clients cache nothing)")
+                   help="the clients' lookup_answer_ttl_ms: clients may cache found blocks and hold hits once the "
+                        f"master's key lease is known to cover it (default {ttl:g}; 0: no store epoch, clients cache "
+                        "nothing); serve exits with code 2 if the lease is too short for it")
     p.add_argument("--log-level", default="INFO", help="Python log level (default INFO)")
     p.add_argument("--verbose", action="store_true",
                    help="show every log line, the known harmless start-up lines of Mooncake and vLLM included "
@@ -58,6 +62,22 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_security_arguments(p)
     p.set_defaults(func=run_serve)
     return p
+
+
+_WINDOW_KEY = "--lease-window-ms (the clients' lookup_answer_ttl_ms)"
+
+
+class _LeaseRefusal(ServerObserver):
+    """Stops ``serve`` when the server's lease probe finds the master's lease too short for the window."""
+
+    def __init__(self, stop: threading.Event) -> None:
+        self.stop = stop
+        self.refused = False
+
+    def prefix_cache_state(self, state: str) -> None:
+        if state == lease.LEASE_TOO_SHORT:
+            self.refused = True
+            self.stop.set()
 
 
 def _listen_address(args: argparse.Namespace) -> str | None:
@@ -99,6 +119,12 @@ def run_serve(args: argparse.Namespace) -> int:
     except ServeRefused as e:
         print(f"mooncake-lookout serve: {e}", file=sys.stderr)
         return 2
+    window_s = args.lease_window_ms / 1000
+    if args.embedded_master and window_s > 0 and lease.probe_window_s(window_s) * 1000 > MOONCAKE_LEASE_MS:
+        # The embedded master's lease is known: refuse at once (with --master, the server's probe finds it).
+        rule = lease.lease_rule(window_s, MOONCAKE_LEASE_MS / 1000, measured=False, key=_WINDOW_KEY)
+        print(f"mooncake-lookout serve: {rule}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -126,15 +152,18 @@ def run_serve(args: argparse.Namespace) -> int:
         except (MasterError, LayoutError) as e:
             print(f"mooncake-lookout serve: {e}", file=sys.stderr)
             return 2
-        window_s = args.lease_window_ms / 1000
+        refusal = _LeaseRefusal(stop)
         server = stack.enter_context(LookupServer(backend, _listen_address(args), marker=window_s > 0,
                                                   lease_window_s=window_s,
-                                                  observers=_server_observers(args, stack), **security))
+                                                  observers=[refusal, *_server_observers(args, stack)], **security))
         print(f"listening on {server.address}", flush=True)
         note = console.summary()
         if note:
             print(note, flush=True)
         stop.wait()
+        if refusal.refused and server.lease_probe is not None:  # the lease is the master's: serving would not help
+            print(f"mooncake-lookout serve: {server.lease_probe.refusal} ({_WINDOW_KEY})", file=sys.stderr)
+            return 2
         logger.info("stopping the lookup server")
     return 0
 

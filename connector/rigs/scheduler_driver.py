@@ -188,10 +188,26 @@ class SchedulerDriver:
 
     def arrive(self, request: Any) -> None:
         """``request`` reaches the engine: vLLM's input thread has built it (our connector may send its lookup
-        now, :mod:`~mooncake_lookout.connector.input_thread`); :meth:`add` admits it at a step's start."""
+        now, :mod:`~mooncake_lookout.connector.input_thread`); :meth:`add` admits it at a step's start. Routed as
+        the hook routes it: to the listener of the connector this scheduler holds. (:meth:`engine_core` builds
+        the request with vLLM's own method instead.)"""
         from mooncake_lookout.connector import input_thread
 
-        input_thread.request_built(request)
+        input_thread.request_built(self.scheduler.connector, request)
+
+    def engine_core(self) -> Any:
+        """vLLM's own ``EngineCore`` class holding this driver's scheduler, not started (an engine core needs a
+        model executor: none here): only the fields ``preprocess_add_request`` reads are set, so that its
+        ``preprocess_add_request(EngineCoreRequest)`` is vLLM's real method, wrapped by our input-thread hook,
+        building the request as vLLM's input thread would. :meth:`add` then admits what it returns."""
+        from vllm.v1.engine.core import EngineCore
+
+        core = EngineCore.__new__(EngineCore)
+        core.scheduler = self.scheduler
+        core.mm_receiver_cache = None
+        core.structured_output_manager = self.scheduler.structured_output_manager
+        core.request_block_hasher = self._hasher
+        return core
 
     def step(self, during_model: Sequence[tuple[float, Callable[[], None]]] = ()) -> Any:
         """One scheduling step plus a made-up model output of one token per scheduled request. ``during_model``:

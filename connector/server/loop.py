@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, cast
 import zmq
 
 from mooncake_lookout.connector.addresses import prepare_ipc_path
-from mooncake_lookout.connector.server import intake, listen
+from mooncake_lookout.connector.server import intake, lease, listen
 from mooncake_lookout.connector.server.admission import Admission
 from mooncake_lookout.connector.server.backend import LookupBackend, as_result, failed
 from mooncake_lookout.connector.server.epoch import MarkerStore
@@ -131,13 +131,15 @@ class LookupServer:
         self._ctx, self._sock = listener.ctx, listener.sock
         window_s = self._lease_window_s
         marker = self._store.marker
-        if marker is not None and window_s is None:
+        if marker is not None and window_s is None:  # the caller vouches for the lease
             marker.trust()
             marker.renew()
-        elif marker is not None and window_s is not None:
+        self._observe.prefix_cache_state(lease.OFF if marker is None else lease.ON if window_s is None
+                                         else lease.PROBING)
+        if marker is not None and window_s is not None:
             store = getattr(self.backend, "store", None)
             self.lease_probe = LeaseProbe(store, cast(MarkerStore, self.backend).marker_key(""), window_s,
-                                          marker.trust)
+                                          marker.trust, self._observe.prefix_cache_state)
         self._observe.bounds(self._admission.limits.bounds())
         self._waker = Waker()
         self._thread = threading.Thread(target=self._loop, name="lookout-server", daemon=True)
@@ -336,6 +338,13 @@ class LookupServer:
                 else:
                     self._observe.answered("ok")
                     self._send(item.envelope, upstream_wire.encode_lookup_reply(answer))
+
+    @property
+    def prefix_cache_state(self) -> str:
+        """Whether the server keeps a store epoch, or why not (``server/lease.py``'s ``STATES``)."""
+        if self._store.marker is None:
+            return lease.OFF
+        return self.lease_probe.state if self.lease_probe is not None else lease.ON
 
     @property
     def epoch(self) -> int:

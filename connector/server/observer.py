@@ -14,7 +14,8 @@ from mooncake_lookout.connector.events import FanOut
 
 
 class ServerObserver:
-    """Hooks for the server's telemetry, all called on the loop's thread; override what you need.
+    """Hooks for the server's telemetry, called on the loop's thread (but ``prefix_cache_state``); override what
+    you need.
 
     ``status`` values are ``metrics.catalogue.SERVER_STATUSES``: ``ok`` (hits and misses), ``error``
     (the store failed), ``bad_request`` (the frame was refused as malformed, or past a bound on its own),
@@ -39,6 +40,11 @@ class ServerObserver:
 
     def answered(self, status: str, count: int = 1) -> None:
         """``count`` lookups (or a reset, or a malformed frame) were answered with ``status``."""
+
+    def prefix_cache_state(self, state: str) -> None:
+        """Whether the server keeps a store epoch (clients may cache found blocks and hold hits), or why not: a
+        state of ``server/lease.py``'s ``STATES``. At start (start()'s thread), then at each change (the lease
+        probe's thread)."""
 
 
 @dataclass

@@ -328,10 +328,10 @@ def serve_pipelined(vllm_config: Any, config: LookupConfig, worker: Any) -> Any:
     risk = exposure(address, curve, "set lookup_curve_server_secret_key and lookup_curve_allowed_clients")
     if risk is not None:  # the same rule as ``serve``, with no --insecure: a worker never serves an open port
         raise ConfigError(f"kv_connector_extra_config['lookup_server_address']: {risk}")
-    # Clients cache found blocks for lookup_answer_ttl_ms: the server keeps an epoch (lets them) only once
-    # the master's key lease is known to cover that (server/lease.py, checked on a thread of its own).
-    caching = config.lookup_prefix_cache_blocks > 0
-    server = LookupServer(WorkerBackend(worker), address, marker=caching, lease_window_s=config.answer_ttl_s,
+    # Clients cache found blocks and hold hits for lookup_answer_ttl_ms: the server keeps an epoch (lets them)
+    # only once the master's key lease is known to cover that (server/lease.py, checked on a thread of its own).
+    # Kept with the prefix cache off too: a held hit needs the proof, and the epoch tells held answers of a wipe.
+    server = LookupServer(WorkerBackend(worker), address, marker=True, lease_window_s=config.answer_ttl_s,
                           curve=curve)
     server.start()
     logger.info("mooncake-lookout pipelined lookup server on %s", server.address)

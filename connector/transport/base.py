@@ -65,7 +65,9 @@ class Transport(abc.ABC):
         return lk.t_start is None and self.overdue(now)
 
     def forget(self, lk: Lookup) -> None:
-        """Nobody wants ``lk``'s answer any more: an unsent lookup is never sent, a reply for it counts as late."""
+        """Nobody wants ``lk``'s answer any more: an unsent lookup is never sent. A reply for it that comes before its
+        deadline is dropped quietly (the server was in time: it is no late reply, the "server slow" signal); one
+        after it counts as late, as any reply past its deadline does."""
         lk.cancelled = True
 
     @abc.abstractmethod
@@ -82,11 +84,18 @@ class Transport(abc.ABC):
 
     def _finish(self, lk: Lookup, outcome: Outcome, now: float, hit_length: int = 0, tails: tuple[Any, ...] = (),
                 error: str | None = None, *, local: bool = False, refused: bool = False) -> None:
-        """Record ``lk``'s answer (caller's thread); a second answer for it counts as late."""
+        """Record ``lk``'s answer (caller's thread); a second answer for it counts as late (unless it was forgotten:
+        nobody waited for it)."""
         if not lk.finish(outcome, now, hit_length, tails, error, local=local, refused=refused):
-            self._count_late()
+            if not lk.cancelled:
+                self._count_late()
         elif self.on_answer is not None and lk.adopted:
             self.on_answer(lk)
+
+    def _reply_late(self, lk: Lookup | None, received: float) -> bool:
+        """Is a reply received at ``received`` for ``lk`` (``None``: unknown) a late reply? Yes, unless ``lk`` was
+        forgotten and the reply came before its deadline (:meth:`forget`)."""
+        return lk is None or not lk.cancelled or lk.deadline is None or received >= lk.deadline
 
     def _count_late(self) -> None:
         self.late_replies += 1

@@ -31,6 +31,7 @@ class InFlight:
         self._late = late
         self.ids = itertools.count(1)
         self.lookups: dict[int, Lookup] = {}
+        self.forgotten: dict[int, float] = {}  # lookup id -> deadline, of lookups forgotten while in flight
         self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, lookup id)
         # frame id -> (the lookups it carried, when it was sent, when to forget it)
         self.frames: collections.OrderedDict[int, tuple[list[int], float, float]] = collections.OrderedDict()
@@ -57,8 +58,9 @@ class InFlight:
         self.frames[frame_id] = (ids, now, now + 2 * self.timeout_s)
 
     def forget(self, lk: Lookup) -> None:
-        """A reply for ``lk`` will count as late."""
-        self.lookups.pop(lk.lookup_id, None)
+        """Nobody waits for ``lk``: a reply for it before its deadline is dropped quietly, one after it is late."""
+        if self.lookups.pop(lk.lookup_id, None) is not None and lk.deadline is not None:
+            self.forgotten[lk.lookup_id] = lk.deadline
 
     def apply(self, reply: protocol.Reply, answers: list[protocol.Answered] | None, now: float) -> None:
         """Take in one reply (``answers``: its results as :func:`~.wire.pipelined.answers_of` gives them, or
@@ -89,10 +91,12 @@ class InFlight:
             # the store's state. Before its lookups finish: they were answered in this epoch.
             self._epoch(reply.epoch, carried[1], now)
         inflight, finish = self.lookups, self._finish
+        forgotten = self.forgotten
         for lookup_id, outcome, hit, tails, why in (answers if answers is not None else protocol.answers_of(reply)):
             lk = inflight.pop(lookup_id, None)
             if lk is None:
-                self._late()
+                if forgotten.pop(lookup_id, 0.0) <= now:  # unknown, or forgotten and past its deadline
+                    self._late()
             else:
                 finish(lk, outcome, now, hit, tails, why)
 
@@ -128,6 +132,7 @@ class InFlight:
             _, lookup_id = heapq.heappop(deadlines)
             lk = inflight.pop(lookup_id, None)
             if lk is None:
+                self.forgotten.pop(lookup_id, None)  # a reply from now on is late
                 continue  # answered or forgotten already
             if self.last_reply <= (lk.t_start or now):
                 began = lk.t_start or now
@@ -135,7 +140,7 @@ class InFlight:
                     began = min(began, lk.latest - lk.timeout_s)
                 silent = max(silent, now - began)
             finish(lk, TIMEOUT, now, error="no reply before the deadline")
-        if not inflight:
+        if not inflight and not self.forgotten:
             deadlines.clear()
         frames = self.frames
         while frames:

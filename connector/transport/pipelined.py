@@ -98,7 +98,7 @@ class PipelinedTransport(DealerTransport):
             book.sent(frame_id, batch, now)
 
     def forget(self, lk: Lookup) -> None:
-        """Drop ``lk``: a reply for it will count as late."""
+        """Drop ``lk``: a reply for it before its deadline is dropped quietly, one after it counts as late."""
         lk.cancelled = True
         self._book.forget(lk)
 

@@ -137,8 +137,9 @@ class ThreadedPipelinedTransport(DealerTransport):
                 epoch(reply_epoch, sent_at, received)  # before its lookups finish: they were answered in it
                 on_answer = self.on_answer
                 for lk, outcome, hit, tails, error in answers:
-                    if lk.outcome is not None:
-                        self._count_late()
+                    if lk.outcome is not None:  # ended meanwhile: late, unless forgotten and answered in time
+                        if self._reply_late(lk, received):
+                            self._count_late()
                         continue
                     lk.outcome, lk.t_answer, lk.hit_length, lk.tail_key_boundaries, lk.error = (
                         outcome, received, hit, tails, error)
@@ -316,8 +317,9 @@ class _Book:
         inflight, answers = self.lookups, []
         for lookup_id, outcome, hit, tails, why in protocol.answers_of(reply):
             lk = inflight.pop(lookup_id, None)
-            if lk is None or lk.cancelled:
-                self.t._count_late()
+            if lk is None or lk.cancelled:  # forgotten, or past its deadline (expired here)
+                if self.t._reply_late(lk, now):
+                    self.t._count_late()
             else:
                 answers.append((lk, outcome, hit, tails, why))
         if carried is not None:  # only an answer to a frame we sent names the epoch we asked in

@@ -112,7 +112,7 @@ class UpstreamTransport(Transport):
             lk, outcome, now, hit, tails, error, local = answers.popleft()
             if not lk.cancelled:
                 self._finish(lk, outcome, now, hit, tails, error, local=local)
-            elif not local:  # a reply for a lookup nobody wants any more
+            elif not local and self._reply_late(lk, now):  # for a lookup nobody wants, past its deadline
                 self._count_late()
 
     def _hand_back(self, lk: Lookup, outcome: Any, hit: int = 0, tails: tuple[Any, ...] = (),
