@@ -28,10 +28,10 @@ this module rewrites each (or, with ``--check``, lists the stale ones and exits 
   ``docs/bench/run-K.json`` (remove runs that are not replaced), then run this module; ``bench-engine``
   (docs/bench-results.md), scenario (i) on real engines, from a run of its own, ``docs/bench/engine-i.json``
   (:mod:`~mooncake_lookout.connector.bench.doc_engine`);
-* ``demo-output``, ``engine-demo-output`` and ``first-run`` (README): what a newcomer sees and pays, from
-  ``docs/bench/demo.txt``, ``docs/bench/engine-demo.txt`` and
-  ``docs/bench/first-run.json``; ``sink-cost`` (docs/metrics.md), from ``docs/bench/sink-cost.json`` (each recorded
-  by one command of :mod:`.record`);
+* ``demo-output`` and ``first-run`` (README): what a newcomer sees and pays, from ``docs/bench/demo.txt`` and
+  ``docs/bench/first-run.json``, and ``engine-demo-output`` (docs/bench-results.md) from
+  ``docs/bench/engine-demo.txt``; ``sink-cost`` (docs/metrics.md), from ``docs/bench/sink-cost.json`` (each
+  recorded by one command of :mod:`.record`);
 * ``connector/cli/sizing-runs.json`` (a whole file, shipped in the package: ``size``'s model): scenario (h) of the
   committed runs;
 * ``soak-table`` and ``soak-commands`` (docs/reliability.md): from the committed soaks ``docs/bench/soak-T.json``, what
@@ -331,7 +331,7 @@ BLOCKS: tuple[Block, ...] = (
     Block("README.md", "vllm-versions", lambda root: render_vllm_versions()),
     Block("scripts/demo-help.txt", "", lambda root: render_demo_help()),
     Block("README.md", "demo-output", lambda root: doc_tables.render_demo(load_demo(root))),
-    Block("README.md", "engine-demo-output",
+    Block("docs/bench-results.md", "engine-demo-output",
           lambda root: doc_tables.render_demo(load_demo(root, ENGINE_DEMO_FILE), ENGINE_DEMO_FILE)),
     Block("README.md", "first-run",
           lambda root: record.render_first_run(record.load_recorded(root, record.FIRST_RUN_FILE))),
