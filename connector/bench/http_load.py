@@ -100,9 +100,13 @@ async def _complete(session: Any, url: str, prompt: list[int], max_tokens: int, 
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
+            chunk = json.loads(line[6:])
+            if "choices" not in chunk:  # the server ended the stream with an error object
+                result.failures.append(f"stream error: {str(chunk.get('error', chunk))[:300]}")
+                return
             if first is None:
                 first = time.perf_counter() - t0
-            text.append(json.loads(line[6:])["choices"][0].get("text", ""))
+            text.append(chunk["choices"][0].get("text", ""))
     result.requests += 1
     if first is not None:
         result.ttft_s.append(first)
