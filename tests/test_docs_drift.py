@@ -394,3 +394,17 @@ def test_the_committed_demo_output_is_whole_and_says_where_it_ran() -> None:
     assert [line for line in lines if noise.match(line)] == []
     with pytest.raises(ValueError, match="say where it ran"):
         doc_tables.render_demo("\n".join(lines[1:]))
+
+
+def test_the_committed_engine_demo_output_is_whole_and_says_where_it_ran() -> None:
+    """docs/bench/engine-demo.txt is what ``bash scripts/demo.sh --engine`` printed (the engine venv's set-up lines
+    included), under a line with its date, commit and load; it holds every mode's row and the demo's run time."""
+    lines = (ROOT / "docs" / "bench" / "engine-demo.txt").read_text().splitlines()
+    assert re.fullmatch(r"# bash scripts/demo\.sh --engine: \d{4}-\d\d-\d\dT[\d:]+Z, commit \S+, \d+ CPUs, "
+                        r"load average \(1 min\) [\d.]+ -> [\d.]+; its whole output, stdout and stderr as they came",
+                        lines[0]), lines[0]
+    assert any(line.startswith("[setup-engine] ") for line in lines), "the engine venv's set-up lines are missing"
+    start = next(i for i, line in enumerate(lines) if line.startswith("mode "))
+    rows = [line.split()[:2] for line in lines[start + 2:start + 7]]
+    assert [" ".join(r) for r in rows] == ["upstream sync", "upstream async", "ours sync", "ours async", "ours auto"]
+    assert re.fullmatch(r"the whole demo took \d+ s", lines[-1]), lines[-1]

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from mooncake_lookout.connector.bench.records import (
+    DEMO_FILE,
     MISSING,
     Run,
     across,
@@ -138,9 +140,9 @@ def render_targets_per_run(runs: Sequence[Run]) -> str:
     return "\n".join(out).rstrip("\n") + "\n"
 
 
-def render_demo(text: str) -> str:
-    """A committed ``demo`` output: the line that says where it ran, then its closing table (from its ``mode`` header
-    line to the end), fenced. The first line of the file is that line (``# COMMAND: DATE, commit ...``)."""
+def render_demo(text: str, file: Path = DEMO_FILE) -> str:
+    """A committed ``demo`` output (``file``): the line that says where it ran, then its closing table (from its
+    ``mode`` header line to the end), fenced. The first line of the file is that line (``# COMMAND: DATE, ...``)."""
     lines = text.splitlines()
     if not lines or not lines[0].startswith("# "):
         raise ValueError("the demo output's first line must say where it ran (# COMMAND: DATE, commit ...): "
@@ -150,7 +152,7 @@ def render_demo(text: str) -> str:
     if start is None:
         raise ValueError("the demo output holds no closing table (no line starting with 'mode ')")
     where = where.split("; its whole output")[0]
-    return (f"The end of what `{command}` printed ({where}; its whole output: `docs/bench/demo.txt`):\n\n"
+    return (f"The end of what `{command}` printed ({where}; its whole output: `{file}`):\n\n"
             "```\n" + "\n".join(lines[start:]).rstrip() + "\n```\n")
 
 

@@ -20,6 +20,7 @@ from typing import Any
 RUNS_DIR = Path("docs/bench")  # relative to the repository's root
 RUN_FILE = re.compile(r"^run-(\d+)\.json$")
 DEMO_FILE = RUNS_DIR / "demo.txt"  # the whole output of `bash scripts/demo.sh --duration small` (cli.record)
+ENGINE_DEMO_FILE = RUNS_DIR / "engine-demo.txt"  # the whole output of `bash scripts/demo.sh --engine` (cli.record)
 SOAK_FILE = re.compile(r"^soak-([\w-]+)\.json$")  # `python -m ...rigs.soak --transport T --json` printed
 MISSING = "-"
 
@@ -97,12 +98,13 @@ def load_soaks(root: Path) -> list[Soak]:
     return [Soak(transport, path, results) for transport, path, results in found]
 
 
-def load_demo(root: Path) -> str:
-    """The committed output of one ``demo`` run (README shows its closing table)."""
-    path = root / DEMO_FILE
+def load_demo(root: Path, file: Path = DEMO_FILE) -> str:
+    """The committed output of one ``demo`` run, or of ``file`` (README shows its closing table)."""
+    path = root / file
     if not path.exists():
-        raise ValueError(f"no committed demo output: expected {DEMO_FILE} (python -m "
-                         "mooncake_lookout.connector.cli.record demo)")
+        what = "engine-demo" if file == ENGINE_DEMO_FILE else "demo"
+        raise ValueError(f"no committed demo output: expected {file} (python -m "
+                         f"mooncake_lookout.connector.cli.record {what})")
     return path.read_text()
 
 
@@ -150,5 +152,5 @@ def ordered_union(lists: Iterable[Iterable[str]]) -> list[str]:
     return list(seen)
 
 
-__all__ = ["DEMO_FILE", "MISSING", "RUNS_DIR", "RUN_FILE", "SOAK_FILE", "Run", "Soak", "across", "get", "load_demo",
-           "load_runs", "load_soaks", "mode", "num", "ordered_union"]
+__all__ = ["DEMO_FILE", "ENGINE_DEMO_FILE", "MISSING", "RUNS_DIR", "RUN_FILE", "SOAK_FILE", "Run", "Soak", "across",
+           "get", "load_demo", "load_runs", "load_soaks", "mode", "num", "ordered_union"]

@@ -296,6 +296,30 @@ def j_block(r: dict[str, Any]) -> list[str]:
                          f"{fmt(v.get('late_replies')):>5} {v['hit_tokens']:>10} {fmt(v['call_us'].get('p99')):>11} "
                          f"{fmt(v['call_us'].get('max')):>11} {_ms(v.get('answered_rpc_us', {}).get('p99')):>10} "
                          f"{_ms(v.get('answered_rpc_p999_us')):>8} {_ms(v.get('answered_rpc_us', {}).get('max')):>7}")
+
+
+def i_block(r: dict[str, Any]) -> list[str]:
+    """Scenario (i): real engines, one line per engine of each wave (upstream's first)."""
+    i = r["i"]
+    sp, mt = i["shared_prefix"], i["multi_turn"]
+    lines = [f"(i) real vllm serve engines on CPU, ours and upstream's in turns (ABBA), {i['clients']} concurrent "
+             f"clients: shared-prefix ({sp['requests']} requests, {sp['prefixes']} prefixes of {sp['prefix_blocks']} "
+             f"blocks) then multi-turn ({mt['conversations']} conversations x {mt['turns']} turns)",
+             f"  {'engine':15} {'requests':>8} {'TTFT p50':>8} {'p99 ms':>8} {'store hits':>10} {'of prompt':>9} "
+             f"{'lookup/step us':>14} {'(own metric)':>12} {'steps':>6} {'lookup/req us':>13} {'ready s':>7}  lookups"]
+    for wave in i["waves"]:
+        for e in (wave["upstream"], *wave["ours"]):
+            lookups = {}
+            for w in e["workloads"].values():
+                for k, v in (w.get("lookups") or {}).items():
+                    lookups[k] = lookups.get(k, 0) + v
+            seen = " ".join(f"{k} {v:.0f}" for k, v in sorted(lookups.items()) if v) if e["ours"] else "-"
+            lines.append(f"  {e['label']:15} {e['requests']:8d} {fmt(e['ttft_ms']['p50']):>8} "
+                         f"{fmt(e['ttft_ms']['p99']):>8} {e['hit_tokens']:10.0f} {e['prompt_tokens']:9.0f} "
+                         f"{fmt(e['lookup_us_per_step']):>14} {fmt(e['exported_blocked_us_per_step']):>12} "
+                         f"{e['steps']:6.0f} {fmt(e.get('lookup_us_per_request')):>13} {fmt(e['ready_s'], 0):>7}"
+                         f"  {seen}"
+                         + (f"  ({e['failed']} failed)" if e["failed"] else ""))
     return lines
 
 
@@ -315,6 +339,11 @@ def targets_block(entries: list[dict[str, Any]]) -> list[str]:
             lines.append(f"       beside it, mean schedule() per step: ours {fmt(sch['ours'])} vs "
                          f"{fmt(sch['upstream'])} us, "
                          f"ratio {fmt(sch['ratio'], 2)}")
+        for key, what in (("pairs", "each pair"), ("per_request", "beside it, per request served, us")):
+            if key in t:
+                lines.append(f"       {what}: " + "; ".join(f"{p['pair']} {fmt(p['ours'], 2)} vs "
+                                                         f"{fmt(p['upstream'], 2)} ({fmt(p['ratio'], 2)})"
+                                                         for p in t[key]))
         if "sizes" in t:
             lines.append("       each size: " + "; ".join(f"{s['blocks']} blocks {fmt(s['ours_ms'], 2)} vs "
                                                           f"{fmt(s['upstream_ms'], 2)} ms ({fmt(s['ratio'], 2)})"
@@ -329,4 +358,5 @@ def targets_block(entries: list[dict[str, Any]]) -> list[str]:
 
 
 __all__ = ["a4_block", "a_block", "b_block", "backends_block", "c_block", "d_block", "e_block", "f_block",
-           "f_load_block", "floors_block", "fmt", "g_block", "h_block", "ratio", "targets_block", "vs_step_floor"]
+           "f_load_block", "floors_block", "fmt", "g_block", "h_block", "i_block", "ratio", "targets_block",
+           "vs_step_floor"]

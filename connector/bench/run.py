@@ -9,9 +9,11 @@ vLLM's real scheduler per lookup mode; (d) :mod:`.overhead` telemetry as deploye
 :mod:`.long_prompts` prompts of 8 to 4,096 blocks through vLLM's scheduler, and f-load, the same loaded; (g)
 :mod:`.multi_turn` multi-turn conversations through vLLM's scheduler, the store keys each turn's lookup sends;
 (j) :mod:`.contention` CPU hogs on every core and a GIL loop beside the lookup server, no fault; (h) :mod:`.fleet` a
-fleet of engines' lookup paths on one master, the master's own CPU.
+fleet of engines' lookup paths on one master, the master's own CPU; (i) :mod:`.real_engine` real ``vllm serve``
+engines on CPU (the engine venv), ours and upstream's taking turns over HTTP.
 (a)-(j) share one rig (:class:`~.rig.Rig`: a master, a lookup server process); (h) starts its own master and
-fleet once the rig is stopped. Writes ``bench.json`` (machines), ``bench.txt`` (the table printed) and PNG
+fleet once the rig is stopped, and (i) its own master and engines after that. Writes ``bench.json``
+(machines), ``bench.txt`` (the table printed) and PNG
 figures to ``--out``. The targets are judged in :mod:`.targets`.
 """
 
@@ -25,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mooncake_lookout.connector.bench import fleet, long_prompts, multi_turn, overhead
+from mooncake_lookout.connector.bench import fleet, long_prompts, multi_turn, overhead, real_engine
 from mooncake_lookout.connector.bench.conversations import Shape
 from mooncake_lookout.connector.bench.report import (
     a4_block,
@@ -41,6 +43,7 @@ from mooncake_lookout.connector.bench.report import (
     g_block,
     h_block,
     j_block,
+    i_block,
     targets_block,
 )
 from mooncake_lookout.connector.bench.targets import A4_K, AUTO, TARGET_IDS, targets
@@ -49,7 +52,8 @@ from mooncake_lookout.connector.rigs.workload import shared_prefix_workload
 from mooncake_lookout.connector.transport.names import UPSTREAM
 
 BUDGET_US = 200
-SCENARIOS = ("a", "a4", "backends", "b", "c", "d", "e", "f", "f-load", "g", "j", "h")  # what --only may name
+SCENARIOS = ("a", "a4", "backends", "b", "c", "d", "e", "f", "f-load", "g", "j", "h", "i")  # what --only may name
+ENGINE_SCENARIOS = ("i",)  # what a quick run of every scenario leaves out
 CALL_SEED = 1  # the requests of (a), (a4), (d)'s old rotation and the solo rows: shared_prefix_workload(seed=1)
 
 
@@ -75,12 +79,13 @@ class Sizes:
     vllm_layout: bool  # scenario (g) also through vLLM's key layout (a server process more: ~20 s to start)
     fleet: fleet.FleetSizes
     contention_steps: int  # scenario (j): steps of each client under each contention
+    engine: real_engine.EngineSizes  # scenario (i): real engines
 
 
 QUICK = Sizes(100, 256, 1, 100, 20, 2.0, (BUDGET_US,), 6, long_prompts.QUICK, long_prompts.QUICK_ROUNDS,
-              long_prompts.QUICK_LOAD, 1, 200, 5, multi_turn.QUICK, False, fleet.QUICK, 150)
+              long_prompts.QUICK_LOAD, 1, 200, 5, multi_turn.QUICK, False, fleet.QUICK, 150, real_engine.QUICK)
 FULL = Sizes(1000, 256, 5, 600, 100, 5.0, (BUDGET_US, 500, 1000), 100, long_prompts.FULL, long_prompts.FULL_ROUNDS,
-             long_prompts.FULL_LOAD, 4, overhead.STEPS, 30, multi_turn.FULL, True, fleet.FULL, 1500)
+             long_prompts.FULL_LOAD, 4, overhead.STEPS, 30, multi_turn.FULL, True, fleet.FULL, 1500, real_engine.FULL)
 
 
 def _modes(sizes: Sizes) -> list[Any]:
@@ -113,18 +118,26 @@ def run_bench(out_dir: str, *, quick: bool = False, only: Sequence[str] | None =
     from mooncake_lookout.connector.bench.plots import write_all
 
     chosen = selected(only)
+    if quick and not only:  # (i) starts real engines (minutes): a quick run leaves it to tests/test_bench_engine.py
+        chosen = tuple(s for s in chosen if s not in ENGINE_SCENARIOS)
     sizes = QUICK if quick else FULL
     t_start = time.perf_counter()
     results: dict[str, Any] = {"quick": quick, "machine": machine()}
     if len(chosen) < len(SCENARIOS):
         results["only"] = list(chosen)
     raw_latency: dict[str, Any] = {}
-    if set(chosen) - {"h"}:
+    if set(chosen) - {"h", "i"}:
         raw_latency = _on_the_rig(results, sizes, chosen, t_start, log)
     if "h" in chosen:
         step = _Timer(results, log)
         step("h", f"(h) a fleet of {', '.join(map(str, sizes.fleet.ns))} engines' lookup paths on one master ...")
         results["h"] = fleet.run(sizes.fleet, log=log)
+        step.stop()
+    if "i" in chosen:
+        step = _Timer(results, log)
+        waves = " | ".join(", ".join(w) for w in sizes.engine.waves)
+        step("i", f"(i) real vllm serve engines in turns, waves {waves} ...")
+        results["i"] = real_engine.run(sizes.engine, log=log)
         step.stop()
     results["machine"]["loadavg_at_end"] = list(os.getloadavg())
     results["targets"] = targets(results)
@@ -263,7 +276,7 @@ def _json_default(obj: Any) -> Any:
 REPORT_BLOCKS: tuple[tuple[str, Callable[[dict[str, Any]], list[str]]], ...] = (
     ("floors", floors_block), ("a", a_block), ("a4", a4_block), ("backends", backends_block), ("b", b_block),
     ("c", c_block), ("d", d_block), ("e", e_block), ("f", f_block), ("f_load", f_load_block), ("g", g_block),
-    ("j", j_block), ("h", h_block))
+    ("j", j_block), ("h", h_block), ("i", i_block))
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -286,5 +299,5 @@ def format_report(r: dict[str, Any]) -> str:
     return "\n".join(lines + targets_block(r["targets"]))
 
 
-__all__ = ["A4_K", "AUTO", "BUDGET_US", "FULL", "QUICK", "REPORT_BLOCKS", "SCENARIOS", "Sizes", "TARGET_IDS",
-           "format_report", "machine", "run_bench", "selected", "targets"]
+__all__ = ["A4_K", "AUTO", "BUDGET_US", "ENGINE_SCENARIOS", "FULL", "QUICK", "REPORT_BLOCKS", "SCENARIOS", "Sizes",
+           "TARGET_IDS", "format_report", "machine", "run_bench", "selected", "targets"]

@@ -19,7 +19,7 @@ AUTO = "ours budget auto"
 A4_K = 16  # the k of target a4
 F_SIZES = (8, 64, 512, 4096)
 TARGET_IDS = ("f8", "f64", "f512", "f4096", "f-delay", "a", "a4", "a2", "b", "c1", "c2", "d", "e", "e-async", "g1",
-              "g2", "f-load", "j1", "j2", "j3", "j4", "j5", "j6", "j7", "j8", "h1", "h2")
+              "g2", "f-load", "j1", "j2", "j3", "j4", "j5", "j6", "j7", "j8", "h1", "h2", "i1", "i2", "i3", "i4")
 PRODUCTION_TELEMETRY = "production telemetry: vLLM's stats collector inline, spans sampled as the Helm chart samples"
 
 
@@ -242,6 +242,40 @@ def _h_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _i_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
+    """i1-i4: real engines, each of ours / the upstream engine of its wave; each judged at its worst pair."""
+    pairs = {f"{o['label']} / {w['upstream']['label']}": {"ours": o, "upstream": w["upstream"]}
+             for w in r["i"]["waves"] for o in w["ours"]}
+    where = "real vllm serve engines on CPU, both workloads over HTTP, ABBA turns"
+    out = []
+    for id_, what, figure, unit, at_least in (
+            ("i1", "prompt tokens served from the store", lambda e: e["hit_tokens"], "tokens", 0.99),
+            ("i2", "time to first token p50", lambda e: e["ttft_ms"]["p50"], "ms", None),
+            ("i3", "time to first token p99", lambda e: e["ttft_ms"]["p99"], "ms", None),
+            ("i4", "time inside lookup calls on vLLM's engine-core thread per step", lambda e: e["lookup_us_per_step"],
+             "us", None)):
+        each = [{"pair": name, "ours": figure(p["ours"]), "upstream": figure(p["upstream"]),
+                 "ratio": ratio_of(figure(p["ours"]), figure(p["upstream"]))} for name, p in pairs.items()]
+        ratios = [e["ratio"] for e in each]
+        known = [x for x in ratios if x is not None]
+        worst_ratio = None if None in ratios else (min(known) if at_least else max(known))
+        worst = next(e for e in each if e["ratio"] == worst_ratio) if worst_ratio is not None else each[0]
+        entry = target(id_, f"{where}: {what}, ours / upstream, at the worst pair ({worst['pair']})", worst["ours"],
+                       worst["upstream"], vs="upstream", unit=unit, limit=1.0, ratio=worst_ratio,
+                       bound=f">= {at_least:g} in each pair" if at_least else "<= 1 in each pair")
+        if at_least:
+            entry["met"] = worst_ratio is not None and worst_ratio >= at_least
+        entry["pairs"] = each
+        if id_ == "i4":  # the same time per request served: steps differ between engines (how vLLM loops)
+            entry["per_request"] = [{"pair": name, "ours": p["ours"].get("lookup_us_per_request"),
+                                     "upstream": p["upstream"].get("lookup_us_per_request"),
+                                     "ratio": ratio_of(p["ours"].get("lookup_us_per_request"),
+                                                       p["upstream"].get("lookup_us_per_request"))}
+                                    for name, p in pairs.items()]
+        out.append(entry)
+    return out
+
+
 def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     """Each target of :data:`TARGET_IDS` the run measured, in that order: figures, ratio, bound, met."""
     found: list[dict[str, Any]] = []
@@ -274,6 +308,8 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         found += _j_targets(r)
     if has(r, "h", "summary"):
         found += _h_targets(r)
+    if has(r, "i", "waves"):
+        found += _i_targets(r)
     order = {id_: i for i, id_ in enumerate(TARGET_IDS)}
     return sorted(found, key=lambda t: order[t["id"]])
 

@@ -123,6 +123,8 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="lookup_timeout_ms of our modes (default: the connector's auto, per mode)")
     p.add_argument("--model-step-ms", type=float, default=1.5, metavar="MS",
                    help="time a model step takes, between two scheduler steps (default 1.5)")
+    p.add_argument("--engine", action="store_true", help="real vllm serve engines on CPU instead (vLLM's CPU build "
+                   "in the engine venv, a tiny model): ours vs upstream's connector over HTTP (cli/demo_engine.py)")
     p.add_argument("--keep-running", action="store_true",
                    help="after the table, keep /metrics up until Ctrl-C (for a local Prometheus/Grafana)")
     p.add_argument("--verbose", action="store_true",
@@ -259,6 +261,11 @@ def run_demo(args: argparse.Namespace, out: TextIO | None = None) -> int:
     stop = threading.Event()
     restore = _install_stop_handlers(stop)
     try:
+        if getattr(args, "engine", False):
+            from mooncake_lookout.connector.cli.demo_engine import run_engine_demo
+            from mooncake_lookout.connector.rigs.machine import CHECKOUT
+
+            return run_engine_demo(args, out, stop, CHECKOUT)
         return _run(args, stop, out, console)
     finally:
         restore()

@@ -25,10 +25,13 @@ this module rewrites each (or, with ``--check``, lists the stale ones and exits 
   (docs/bench-results.md), ``bench-sizing`` (docs/operations.md) and ``bench-fleet-helm`` (docs/helm.md), the last
   three by :mod:`~mooncake_lookout.connector.bench.doc_fleet`.
   To publish new runs: ``mooncake-lookout bench --out out-K``, copy each ``out-K/bench.json`` to
-  ``docs/bench/run-K.json`` (remove runs that are not replaced), then run this module;
+  ``docs/bench/run-K.json`` (remove runs that are not replaced), then run this module; ``bench-engine``
+  (docs/bench-results.md), scenario (i) on real engines, from a run of its own, ``docs/bench/engine-i.json``
+  (:mod:`~mooncake_lookout.connector.bench.doc_engine`);
 * ``demo-output`` and ``first-run`` (README): what a newcomer sees and pays, from ``docs/bench/demo.txt`` and
-  ``docs/bench/first-run.json``; ``sink-cost`` (docs/metrics.md), from ``docs/bench/sink-cost.json`` (each recorded
-  by one command of :mod:`.record`);
+  ``docs/bench/first-run.json``, and ``engine-demo-output`` (docs/bench-results.md) from
+  ``docs/bench/engine-demo.txt``; ``sink-cost`` (docs/metrics.md), from ``docs/bench/sink-cost.json`` (each
+  recorded by one command of :mod:`.record`);
 * ``connector/cli/sizing-runs.json`` (a whole file, shipped in the package: ``size``'s model): scenario (h) of the
   committed runs;
 * ``soak-table`` and ``soak-commands`` (docs/reliability.md): from the committed soaks ``docs/bench/soak-T.json``, what
@@ -57,8 +60,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mooncake_lookout.connector.bench import doc_contention, doc_fleet, doc_tables, security_tables, soak_tables
-from mooncake_lookout.connector.bench.records import Run, load_demo, load_runs, load_soaks
+from mooncake_lookout.connector.bench import (doc_contention, doc_engine, doc_fleet, doc_tables, security_tables,
+                                              soak_tables)
+from mooncake_lookout.connector.bench.records import ENGINE_DEMO_FILE, Run, load_demo, load_runs, load_soaks
 from mooncake_lookout.connector.cli import record, size
 from mooncake_lookout.connector.config import KEYS
 from mooncake_lookout.connector.server.limits import Limits, flag_of
@@ -262,6 +266,8 @@ root, a .venv with vLLM's CPU recipe, the Mooncake wheel and this package; no te
 is done), then runs `mooncake-lookout demo`: a real Mooncake master on 127.0.0.1, vLLM's real V1 scheduler, its
 own lookup client and ours in five modes (upstream sync and async, ours sync, async and auto), /metrics on
 127.0.0.1 while it runs, and a table of the modes at the end with two lines reading it.
+With --engine it also installs the engine venv (bash scripts/setup-engine.sh: vLLM's CPU build, shared by
+every clone on the machine) and runs real vllm serve engines instead, ours vs upstream's connector over HTTP.
 --help prints this and installs nothing.
 """
 
@@ -328,6 +334,8 @@ BLOCKS: tuple[Block, ...] = (
     Block("README.md", "vllm-versions", lambda root: render_vllm_versions()),
     Block("scripts/demo-help.txt", "", lambda root: render_demo_help()),
     Block("README.md", "demo-output", lambda root: doc_tables.render_demo(load_demo(root))),
+    Block("docs/bench-results.md", "engine-demo-output",
+          lambda root: doc_tables.render_demo(load_demo(root, ENGINE_DEMO_FILE), ENGINE_DEMO_FILE)),
     Block("README.md", "first-run",
           lambda root: record.render_first_run(record.load_recorded(root, record.FIRST_RUN_FILE))),
     Block("docs/metrics.md", "sink-cost",
@@ -346,6 +354,8 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/bench-results.md", "bench-scenarios", _bench(doc_tables.render_scenarios)),
     Block("docs/bench-results.md", "bench-reports", _bench(doc_tables.render_reports)),
     Block("docs/bench-results.md", "bench-fleet", _bench(doc_fleet.render_fleet)),
+    Block("docs/bench-results.md", "bench-engine", lambda root: doc_engine.render_engine_run(
+        doc_engine.load_engine_run(root))),
     Block("docs/operations.md", "bench-sizing", _bench(doc_fleet.render_sizing)),
     Block("docs/helm.md", "bench-fleet-helm", _bench(doc_fleet.render_helm_fleet)),
     Block("connector/cli/" + size.SHIPPED_RUNS.name, "",

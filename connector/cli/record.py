@@ -6,7 +6,8 @@ them (``python -m mooncake_lookout.connector.cli.docs``; a test fails when they 
 
 * ``demo``: runs ``bash scripts/demo.sh --duration small`` in this checkout, as the README says, and writes its
   whole output (stdout and stderr, merged in the order they came) to ``docs/bench/demo.txt`` under one line
-  that says when, on which commit and under which load it ran;
+  that says when, on which commit and under which load it ran; ``engine-demo`` does the same for ``bash
+  scripts/demo.sh --engine`` (real engines) in a fresh clone of HEAD, to ``docs/bench/engine-demo.txt``;
 * ``sink-cost``: what telemetry costs per lookup (:mod:`mooncake_lookout.metrics.sink_cost`), to
   ``docs/bench/sink-cost.json``;
 * ``security``: what CURVE and the per-peer bounds cost and buy (:mod:`~..bench.security`, full sizes), to
@@ -34,25 +35,27 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mooncake_lookout.connector.bench.records import DEMO_FILE, RUNS_DIR
+from mooncake_lookout.connector.bench.records import DEMO_FILE, ENGINE_DEMO_FILE, RUNS_DIR
 from mooncake_lookout.connector.rigs.machine import CHECKOUT, DIRTY, commit, load_average, machine
 
 DEMO_ARGS = ("--duration", "small")
+ENGINE_DEMO_ARGS = ("--engine",)  # every mode, the default duration: the engines' start-up is most of it
 FIRST_RUN_FILE = RUNS_DIR / "first-run.json"
 SINK_COST_FILE = RUNS_DIR / "sink-cost.json"
 SECURITY_FILE = RUNS_DIR / "security.json"
 SETUP_DONE = "[setup] done"
 
 
-def demo_command() -> str:
+def demo_command(args: tuple[str, ...] = DEMO_ARGS) -> str:
     """The command a newcomer types, as recorded."""
-    return "bash scripts/demo.sh " + " ".join(DEMO_ARGS)
+    return "bash scripts/demo.sh " + " ".join(args)
 
 
-def run_demo_script(root: Path, env: dict[str, str] | None = None, timeout_s: float = 3600) -> dict[str, Any]:
+def run_demo_script(root: Path, env: dict[str, str] | None = None, timeout_s: float = 3600,
+                    args: tuple[str, ...] = DEMO_ARGS) -> dict[str, Any]:
     """Run the demo script in ``root``: its merged output lines, exit code, seconds to the set-up's end, in all."""
     t0 = time.monotonic()
-    proc = subprocess.Popen(["bash", "scripts/demo.sh", *DEMO_ARGS], cwd=root, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(["bash", "scripts/demo.sh", *args], cwd=root, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
     setup_s = None
@@ -68,22 +71,48 @@ def run_demo_script(root: Path, env: dict[str, str] | None = None, timeout_s: fl
     return {"lines": lines, "code": code, "setup_s": setup_s, "total_s": time.monotonic() - t0}
 
 
-def provenance(m: dict[str, Any], load_end: list[float]) -> str:
+def provenance(m: dict[str, Any], load_end: list[float], args: tuple[str, ...] = DEMO_ARGS) -> str:
     """The first line of a recorded output: command, date, commit, machine, load average at start and end."""
-    return (f"# {demo_command()}: {m['date']}, commit {m['commit']}, {m['cpus']} CPUs, load average (1 min) "
+    return (f"# {demo_command(args)}: {m['date']}, commit {m['commit']}, {m['cpus']} CPUs, load average (1 min) "
             f"{m['loadavg_at_start'][0]:.2f} -> {load_end[0]:.2f}; its whole output, stdout and stderr as they came")
 
 
-def record_demo(root: Path = CHECKOUT) -> int:
-    """Run the demo script here and write ``docs/bench/demo.txt``."""
+def record_demo(root: Path = CHECKOUT, args: tuple[str, ...] = DEMO_ARGS, file: Path = DEMO_FILE) -> int:
+    """Run the demo script here (with ``args``) and write its output to ``file`` (``docs/bench/demo.txt``)."""
     m = machine()
-    run = run_demo_script(root)
+    run = run_demo_script(root, args=args)
     if run["code"] != 0:
         print("\n".join(run["lines"][-30:]), file=sys.stderr)
         print(f"record: the demo exited with {run['code']}; nothing written", file=sys.stderr)
         return 1
-    (root / DEMO_FILE).write_text(provenance(m, load_average()) + "\n" + "\n".join(run["lines"]) + "\n")
-    print(f"wrote {DEMO_FILE}")
+    (root / file).write_text(provenance(m, load_average(), args) + "\n" + "\n".join(run["lines"]) + "\n")
+    print(f"wrote {file}")
+    return 0
+
+
+def record_engine_demo(root: Path = CHECKOUT, scratch: Path | None = None) -> int:
+    """Clone HEAD into a scratch folder, run ``bash scripts/demo.sh --engine`` there as a newcomer does (its own
+    ``.venv`` and ``.venv-engine``; the machine's pip cache and shared engine venv are reused), and write its
+    output to ``docs/bench/engine-demo.txt`` here."""
+    m = machine()
+    made = scratch is None
+    scratch = Path(tempfile.mkdtemp(prefix="lookout-engine-demo-")) if scratch is None else scratch
+    try:
+        clone = scratch / "clone"
+        subprocess.run(["git", "clone", "-q", str(root), str(clone)], check=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOKOUT_", "VIRTUAL_ENV"))}
+        run = run_demo_script(clone, env, args=ENGINE_DEMO_ARGS)
+        m["commit"] = commit(clone)  # what was measured: the clone's HEAD
+    finally:
+        if made:
+            shutil.rmtree(scratch, ignore_errors=True)
+    if run["code"] != 0:
+        print("\n".join(run["lines"][-30:]), file=sys.stderr)
+        print(f"record: the engine demo exited with {run['code']}; nothing written", file=sys.stderr)
+        return 1
+    text = provenance(m, load_average(), ENGINE_DEMO_ARGS) + "\n" + "\n".join(run["lines"]) + "\n"
+    (root / ENGINE_DEMO_FILE).write_text(text)
+    print(f"wrote {ENGINE_DEMO_FILE}")
     return 0
 
 
@@ -199,15 +228,17 @@ def render_first_run(data: dict[str, Any]) -> str:
             f"(`{FIRST_RUN_FILE}`, by `python -m mooncake_lookout.connector.cli.record first-run`.)\n")
 
 
-RECORDERS = {"demo": record_demo, "first-run": record_first_run, "sink-cost": record_sink_cost,
+RECORDERS = {"demo": record_demo, "engine-demo": record_engine_demo, "first-run": record_first_run,
+             "sink-cost": record_sink_cost,
              "security": record_security}
 
 
 def dirty_refusal(what: str, root: Path = CHECKOUT, *, allow: bool = False) -> str | None:
     """Why ``what`` may not be recorded here (None: it may): a recording the docs quote must be of a commit, and a
-    checkout with local changes to tracked files is not one. ``first-run`` clones HEAD, so it measures a commit."""
+    checkout with local changes to tracked files is not one. ``first-run`` and ``engine-demo`` clone HEAD, so they
+    measure a commit."""
     code = commit(root) or ""
-    if allow or what == "first-run" or not code.endswith(DIRTY):
+    if allow or what in ("first-run", "engine-demo") or not code.endswith(DIRTY):
         return None
     return (f"record: this checkout has local changes to tracked files (commit {code}): the docs would quote code "
             "that is in no commit; commit first (or pass --allow-dirty, and the recording says +dirty)")
@@ -218,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mooncake_lookout.connector.cli.record",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=tuple(RECORDERS), help="what to record (see the module's doc)")
-    parser.add_argument("--scratch", type=Path, help="first-run: the folder to clone into (default: a new temp one)")
+    parser.add_argument("--scratch", type=Path,
+                        help="first-run, engine-demo: the folder to clone into (default: a new temp one)")
     parser.add_argument("--allow-dirty", action="store_true", help="record on a checkout with local changes (the "
                         "recording's commit then ends in +dirty)")
     args = parser.parse_args(argv)
@@ -226,7 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     if refused:
         print(refused, file=sys.stderr)
         return 2
-    code = record_first_run(scratch=args.scratch) if args.what == "first-run" else RECORDERS[args.what]()
+    if args.what in ("first-run", "engine-demo"):
+        code = RECORDERS[args.what](scratch=args.scratch)
+    else:
+        code = RECORDERS[args.what]()
     if code == 0:
         from mooncake_lookout.connector.cli.docs import main as docs
 
@@ -234,9 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-__all__ = ["FIRST_RUN_FILE", "RECORDERS", "SECURITY_FILE", "SINK_COST_FILE", "demo_command", "dirty_refusal",
-           "load_recorded", "main", "provenance", "record_demo", "record_first_run", "record_security",
-           "record_sink_cost", "render_first_run", "render_sink_cost", "run_demo_script", "where"]
+__all__ = ["ENGINE_DEMO_ARGS", "FIRST_RUN_FILE", "RECORDERS", "SECURITY_FILE", "SINK_COST_FILE", "demo_command",
+           "dirty_refusal", "load_recorded", "main", "provenance", "record_demo", "record_engine_demo",
+           "record_first_run", "record_security", "record_sink_cost", "render_first_run", "render_sink_cost",
+           "run_demo_script", "where"]
 
 if __name__ == "__main__":
     sys.exit(main())
