@@ -588,3 +588,24 @@ def test_the_upstream_transport_counts_no_late_reply_for_a_lookup_forgotten_and_
             assert transport.late_replies == 0
         finally:
             transport.close()
+
+
+def test_the_upstream_transports_own_timeout_of_a_lookup_the_caller_ended_is_no_late_reply(
+        silent_router: tuple[zmq.Socket, str]) -> None:
+    """A silent server: the caller's deadline ends the lookup (the client forgets it and times it out), then the
+    transport's thread gives up on the same silence and hands back its own timeout. Nothing came from the server:
+    it is no late reply. Before, it was counted as one, and the breaker took it as proof the server was alive
+    (issue 49: a store that does not answer at all must open it after ``failures`` events)."""
+    _, address = silent_router
+    transport = UpstreamTransport(address)
+    try:
+        lk = _job(65, [bytes(32)] * 4, 0.05)
+        transport.send([lk])
+        _poll(lambda: lk.t_start is not None)
+        transport.forget(lk)  # the client's own deadline ended it first (LookupClient._ask)
+        lk.finish(Outcome.TIMEOUT, time.perf_counter(), error="no reply before the deadline")
+        _poll(lambda: bool(transport.news))  # the thread's verdict: no reply by the deadline
+        transport.collect()
+        assert transport.rebuilds == 1 and transport.late_replies == 0
+    finally:
+        transport.close()

@@ -62,7 +62,7 @@ class UpstreamTransport(Transport):
         self._on_rebuild = on_rebuild
         self._queue: collections.deque[object] = collections.deque()
         self._ready = threading.Condition(threading.Lock())
-        # (lookup, outcome, when, hit, tails, error, local) handed back by the thread; applied by the caller.
+        # (lookup, outcome, when, hit, tails, error, local, replied) handed back by the thread; applied by the caller.
         self._answers: collections.deque[tuple[Any, ...]] = collections.deque()
         self.news = self._answers
         self._arrived = threading.Event()
@@ -109,16 +109,20 @@ class UpstreamTransport(Transport):
 
     def _apply(self, answers: collections.deque[tuple[Any, ...]]) -> None:
         while answers:
-            lk, outcome, now, hit, tails, error, local = answers.popleft()
+            lk, outcome, now, hit, tails, error, local, replied = answers.popleft()
+            if not replied and lk.outcome is not None:
+                continue  # the thread's own verdict (silence, a socket error) on a lookup already ended: no reply
             if not lk.cancelled:
                 self._finish(lk, outcome, now, hit, tails, error, local=local)
-            elif not local and self._reply_late(lk, now):  # for a lookup nobody wants, past its deadline
+            elif replied and self._reply_late(lk, now):  # a reply for a lookup nobody wants, past its deadline
                 self._count_late()
 
     def _hand_back(self, lk: Lookup, outcome: Any, hit: int = 0, tails: tuple[Any, ...] = (),
-                   error: str | None = None, *, local: bool = False) -> None:
-        """An answer for the caller (transport thread): queued, and the caller woken if it waits."""
-        self._answers.append((lk, outcome, time.perf_counter(), hit, tails, error, local))
+                   error: str | None = None, *, local: bool = False, replied: bool = False) -> None:
+        """An answer for the caller (transport thread): queued, and the caller woken if it waits. Only one that
+        carries the server's reply (``replied``) can be a late reply; the thread's own timeout is silence (the
+        caller may have timed the lookup out first: counting it late would tell the breaker the server is alive)."""
+        self._answers.append((lk, outcome, time.perf_counter(), hit, tails, error, local, replied))
         self._arrived.set()
 
     def overdue(self, now: float) -> bool:
@@ -241,7 +245,7 @@ class UpstreamTransport(Transport):
             return
         self._inflight_deadline = None
         outcome, hit, tails, error = wire.decode_lookup_reply(reply)
-        self._hand_back(lk, outcome, hit, tails, error)
+        self._hand_back(lk, outcome, hit, tails, error, replied=True)
 
     def _fail_queued(self) -> None:
         """The server left a lookup unanswered: the lookups queued behind it end now (they were never sent,
