@@ -247,5 +247,6 @@ def engine_store() -> Iterator[EmbeddedMaster]:
     """A master of the module's own and a process lending it memory: engines in standalone-store mode save there."""
     from mooncake_lookout.connector.rigs.segment_owner import SegmentOwner
 
-    with EmbeddedMaster() as master, SegmentOwner(master.rpc_address):
+    # Mooncake's own 10 s key lease: a loaded engine may load a hit more than 500 ms after finding it.
+    with EmbeddedMaster(kv_lease_ttl_ms=10_000) as master, SegmentOwner(master.rpc_address):
         yield master

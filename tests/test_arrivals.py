@@ -151,7 +151,8 @@ def test_arrivals_stop_at_the_pending_bound_and_while_the_breaker_is_open(stack,
     sent = _on_input_thread(lambda: [c.arrivals.send(f"r{i}", tokens, hashes) for i in range(3)])
     assert sent == [True, True, False] and len(c.arrivals) == 2
     c2, _ = stack(lookup_breaker_failures=1)
-    c2.breaker.record(False)
+    now = time.perf_counter()
+    c2.breaker.failed(now, now, timeout=False)  # one error event: the breaker opens (lookup_breaker_failures=1)
     assert not c2.breaker.closed
     assert not _on_input_thread(lambda: c2.arrivals.send("r", tokens, hashes))
     c2.close()

@@ -112,7 +112,7 @@ def test_observers_added_after_the_client_hear_late_replies_breaker_changes_and_
         listener = Listener()
         client.observers.add(listener)
         client.transport.on_late_reply()  # what the transport calls for a reply whose lookup already ended
-        client.breaker.record(False)
+        client.breaker.failed(0.0, 0.0, timeout=False)  # one error event opens it (lookup_breaker_failures=1)
         assert client.enable_prefix_cache(16) and client.cache is not None
         client.cache.add([b"h" * 32], 0, 1, until=float("inf"))
         client.store_view.clear("epoch")  # what a reply naming a new store epoch does

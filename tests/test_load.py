@@ -109,11 +109,14 @@ def test_a_held_answer_older_than_its_ttl_is_asked_again(transport: str, prefix_
         hashes = make_hashes(9, seed=77)
         prefix_index.store_prefixes([hashes[:8]])
         assert client.lookup("waiting", 9 * BLOCK, hashes).hit_length == 8 * BLOCK
-        assert client.lookup("waiting", 9 * BLOCK, hashes).hit_length == 8 * BLOCK  # held: no second ask
+        # Held (no second ask) only where a store epoch proves the master's lease covers the ttl: our server names
+        # one; vLLM's own server names none, so its hit is served once and the next call asks the store again.
+        assert client.lookup("waiting", 9 * BLOCK, hashes).hit_length == 8 * BLOCK
+        assert client.has("waiting") == (transport == "pipelined")
         prefix_index.remove_all(force=True)  # evicted while the request waits for KV space
         time.sleep(0.5)  # the request waits this long: the scenario itself, not a wait for a condition
         assert client.lookup("waiting", 9 * BLOCK, hashes).hit_length == 0
-        assert drops.dropped == ["expired"]
+        assert drops.dropped == (["expired"] if transport == "pipelined" else [])
     finally:
         client.close()
         stop()

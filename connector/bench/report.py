@@ -296,6 +296,7 @@ def j_block(r: dict[str, Any]) -> list[str]:
                          f"{fmt(v.get('late_replies')):>5} {v['hit_tokens']:>10} {fmt(v['call_us'].get('p99')):>11} "
                          f"{fmt(v['call_us'].get('max')):>11} {_ms(v.get('answered_rpc_us', {}).get('p99')):>10} "
                          f"{_ms(v.get('answered_rpc_p999_us')):>8} {_ms(v.get('answered_rpc_us', {}).get('max')):>7}")
+    return lines
 
 
 def i_block(r: dict[str, Any]) -> list[str]:

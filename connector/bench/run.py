@@ -42,8 +42,8 @@ from mooncake_lookout.connector.bench.report import (
     floors_block,
     g_block,
     h_block,
-    j_block,
     i_block,
+    j_block,
     targets_block,
 )
 from mooncake_lookout.connector.bench.targets import A4_K, AUTO, TARGET_IDS, targets

@@ -60,8 +60,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mooncake_lookout.connector.bench import (doc_contention, doc_engine, doc_fleet, doc_tables, security_tables,
-                                              soak_tables)
+from mooncake_lookout.connector.bench import (
+    doc_contention,
+    doc_engine,
+    doc_fleet,
+    doc_tables,
+    security_tables,
+    soak_tables,
+)
 from mooncake_lookout.connector.bench.records import ENGINE_DEMO_FILE, Run, load_demo, load_runs, load_soaks
 from mooncake_lookout.connector.cli import record, size
 from mooncake_lookout.connector.config import KEYS
