@@ -3,6 +3,7 @@ a real Mooncake master and real ZMQ: taken over at admission, fenced by a reset,
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import random
 import threading
@@ -42,21 +43,31 @@ def _on_input_thread(fn: Callable[[], Any]) -> Any:
     return out[0]
 
 
+@contextlib.contextmanager
+def _clients(address: str) -> Iterator[Callable[..., tuple[LookupClient, OutcomeCounter]]]:
+    """A maker of clients (async, pipelined: the socket on its own thread) of the server at ``address``; each
+    closed on exit."""
+    made: list[LookupClient] = []
+
+    def make(**config: Any) -> tuple[LookupClient, OutcomeCounter]:
+        cfg = LookupConfig(**{"lookup_async": True, "lookup_transport": "pipelined", "lookup_timeout_ms": 5000,
+                              **config})
+        counter = OutcomeCounter()
+        made.append(LookupClient(cfg, make_transport(cfg, address), observer=counter))
+        return made[-1], counter
+
+    try:
+        yield make
+    finally:
+        for c in made:
+            c.close()
+
+
 @pytest.fixture
 def stack(filler: PrefixIndex, index: PrefixIndex) -> Iterator[Callable[..., tuple[LookupClient, OutcomeCounter]]]:
     """A client (async, pipelined: the socket on its own thread) over a real LookupServer; closed after."""
-    made: list[LookupClient] = []
-    with LookupServer(index) as server:
-        def make(**config: Any) -> tuple[LookupClient, OutcomeCounter]:
-            cfg = LookupConfig(**{"lookup_async": True, "lookup_transport": "pipelined", "lookup_timeout_ms": 5000,
-                                  **config})
-            counter = OutcomeCounter()
-            made.append(LookupClient(cfg, make_transport(cfg, server.address), observer=counter))
-            return made[-1], counter
-
+    with LookupServer(index) as server, _clients(server.address) as make:
         yield make
-        for c in made:
-            c.close()
 
 
 def _stored(filler: PrefixIndex, blocks: int, seed: int) -> Any:
@@ -222,18 +233,8 @@ def test_a_lookup_sent_at_arrival_skips_the_blocks_the_prefix_cache_knows(stack,
 @pytest.fixture
 def served(index: PrefixIndex) -> Iterator[tuple[Any, Callable[..., tuple[LookupClient, OutcomeCounter]]]]:
     """A real LookupServer (its counts read back) and a maker of clients over it; all closed after."""
-    made: list[LookupClient] = []
-    with LookupServer(index) as server:
-        def make(**config: Any) -> tuple[LookupClient, OutcomeCounter]:
-            cfg = LookupConfig(**{"lookup_async": True, "lookup_transport": "pipelined", "lookup_timeout_ms": 5000,
-                                  **config})
-            counter = OutcomeCounter()
-            made.append(LookupClient(cfg, make_transport(cfg, server.address), observer=counter))
-            return made[-1], counter
-
+    with LookupServer(index) as server, _clients(server.address) as make:
         yield server, make
-        for c in made:
-            c.close()
 
 
 def _lookups_answered(server: Any, resets: int) -> int:

@@ -25,6 +25,7 @@ carries the load average.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -90,22 +92,29 @@ def record_demo(root: Path = CHECKOUT, args: tuple[str, ...] = DEMO_ARGS, file: 
     return 0
 
 
+@contextlib.contextmanager
+def _scratch_clone(root: Path, scratch: Path | None, prefix: str) -> Iterator[tuple[Path, Path, dict[str, str]]]:
+    """A clone of ``root``'s HEAD in ``scratch`` (a new temporary folder, removed after, when None), the scratch
+    folder and the environment a newcomer's shell has (no LOOKOUT_* settings, no active venv)."""
+    made = scratch is None
+    scratch = Path(tempfile.mkdtemp(prefix=prefix)) if scratch is None else scratch
+    try:
+        clone = scratch / "clone"
+        subprocess.run(["git", "clone", "-q", str(root), str(clone)], check=True)
+        yield clone, scratch, {k: v for k, v in os.environ.items() if not k.startswith(("LOOKOUT_", "VIRTUAL_ENV"))}
+    finally:
+        if made:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
 def record_engine_demo(root: Path = CHECKOUT, scratch: Path | None = None) -> int:
     """Clone HEAD into a scratch folder, run ``bash scripts/demo.sh --engine`` there as a newcomer does (its own
     ``.venv`` and ``.venv-engine``; the machine's pip cache and shared engine venv are reused), and write its
     output to ``docs/bench/engine-demo.txt`` here."""
     m = machine()
-    made = scratch is None
-    scratch = Path(tempfile.mkdtemp(prefix="lookout-engine-demo-")) if scratch is None else scratch
-    try:
-        clone = scratch / "clone"
-        subprocess.run(["git", "clone", "-q", str(root), str(clone)], check=True)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOKOUT_", "VIRTUAL_ENV"))}
+    with _scratch_clone(root, scratch, "lookout-engine-demo-") as (clone, _, env):
         run = run_demo_script(clone, env, args=ENGINE_DEMO_ARGS)
         m["commit"] = commit(clone)  # what was measured: the clone's HEAD
-    finally:
-        if made:
-            shutil.rmtree(scratch, ignore_errors=True)
     if run["code"] != 0:
         print("\n".join(run["lines"][-30:]), file=sys.stderr)
         print(f"record: the engine demo exited with {run['code']}; nothing written", file=sys.stderr)
@@ -136,12 +145,7 @@ def _tree_bytes(path: Path) -> int:
 def record_first_run(root: Path = CHECKOUT, scratch: Path | None = None) -> int:
     """Clone HEAD into a scratch folder, run the demo script there as a first run, write ``first-run.json``."""
     m = machine()
-    made = scratch is None
-    scratch = Path(tempfile.mkdtemp(prefix="lookout-first-run-")) if scratch is None else scratch
-    try:
-        clone = scratch / "clone"
-        subprocess.run(["git", "clone", "-q", str(root), str(clone)], check=True)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOKOUT_", "VIRTUAL_ENV"))}
+    with _scratch_clone(root, scratch, "lookout-first-run-") as (clone, scratch, env):
         env["PIP_CACHE_DIR"] = str(scratch / "pip-cache")  # an empty cache, as on a new machine
         run = run_demo_script(clone, env)
         if run["code"] != 0:
@@ -153,9 +157,6 @@ def record_first_run(root: Path = CHECKOUT, scratch: Path | None = None) -> int:
         result = {"command": demo_command(), "machine": {**m, "loadavg_at_end": load_average()},
                   "setup_s": run["setup_s"], "total_s": run["total_s"], "wheels": count, "wheel_bytes": wheel_bytes,
                   "venv_bytes": _tree_bytes(clone / ".venv")}
-    finally:
-        if made:
-            shutil.rmtree(scratch, ignore_errors=True)
     (root / FIRST_RUN_FILE).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {FIRST_RUN_FILE}")
     return 0
