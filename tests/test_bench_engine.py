@@ -27,31 +27,6 @@ def results() -> dict:
     return {"i": real_engine.run(real_engine.QUICK, log=print)}
 
 
-def test_both_connectors_served_every_request_with_store_hits(results: dict) -> None:
-    sizes = real_engine.QUICK
-    (wave,) = results["i"]["waves"]
-    assert [e["label"] for e in (wave["upstream"], *wave["ours"])] == ["upstream async", "ours auto"]
-    # An open finding, bounded here and reported by the bench ("(N failed)"): on a loaded 2-core host a stream
-    # sometimes ends in vLLM's HTTP 500 (kv_load_failure_policy "fail": a KV load after a store hit failed), seen
-    # for upstream's connector (3 of 33 in one run) and for ours (1 of 33 in a CI run), both engines in embedded
-    # mode with Mooncake's 10 s lease. The cause is not found yet; this test checks the bench's wiring.
-    for e in (wave["upstream"], *wave["ours"]):
-        assert e["failed"] <= e["requests"] // 4, [(e["label"], w["failures"]) for w in e["workloads"].values()]
-    for e in (wave["upstream"], *wave["ours"]):
-        assert e["requests"] == sizes.requests + sizes.conversations * sizes.turns, e
-        shared = e["workloads"]["shared_prefix"]
-        # every shared-prefix request's prefix was warmed into the store; multi-turn turns find the previous one
-        assert shared["hit_tokens"] >= sizes.prefix_blocks * 32 * sizes.requests, e
-        assert e["workloads"]["multi_turn"]["hit_tokens"] > 0, e
-        assert e["ttft_ms"]["p50"] is not None and e["ttft_ms"]["p50"] <= e["ttft_ms"]["p99"]
-        assert e["steps"] > 0 and e["lookup_us_per_step"] > 0 and e["off_thread_s"] == 0, e
-    (ours,) = wave["ours"]
-    lookups = ours["workloads"]["shared_prefix"]["lookups"]
-    assert sum(lookups.values()) >= sizes.requests and lookups.get("hit", 0) > 0, lookups
-    # the hook and ours' own histogram time the same calls (ours' also counts its admission hook): same order
-    assert 0.3 <= ours["exported_blocked_us_per_step"] / ours["lookup_us_per_step"] <= 3, ours
-
-
 def test_targets_i1_to_i4_are_computed_from_the_run(results: dict) -> None:
     found = {t["id"]: t for t in targets(results)}
     assert list(found) == ["i1", "i2", "i3", "i4"]
