@@ -11,23 +11,28 @@
 #   bash scripts/clean-root.sh --path   print the folder it builds (root.tar.gz, repo/)
 #   bash scripts/clean-root.sh --help
 #
-# LOOKOUT_TOOLS (default .tools) holds it, in clean-root/SUITE; LOOKOUT_CLEAN_ROOT_SUITE (default trixie) is the
-# Debian release; LOOKOUT_DEBIAN_MIRROR overrides debootstrap's default mirror.
+# It is shared by every clone on the machine (a fresh clone reuses it): LOOKOUT_CACHE (default
+# $HOME/.cache/mooncake-lookout) holds it in clean-root/SUITE-HASH, HASH naming this script and prereqs.sh;
+# LOOKOUT_TOOLS, when set, holds it in LOOKOUT_TOOLS/clean-root/SUITE instead. LOOKOUT_CLEAN_ROOT_SUITE (default
+# trixie) is the Debian release; LOOKOUT_DEBIAN_MIRROR overrides debootstrap's default mirror.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")/.." && pwd)
-tools=${LOOKOUT_TOOLS:-$here/.tools}
 suite=${LOOKOUT_CLEAN_ROOT_SUITE:-trixie}
 mirror=${LOOKOUT_DEBIAN_MIRROR:-}
-dest=$tools/clean-root/$suite
 try_s=900  # one try's bound: debootstrap and the packages' download (~180 MB) took about a minute here
 
-want=$(cat "$here/scripts/clean-root.sh" "$here/scripts/prereqs.sh" | sha256sum | cut -c1-16)
-want="$want $suite"
+hash=$(cat "$here/scripts/clean-root.sh" "$here/scripts/prereqs.sh" | sha256sum | cut -c1-16)
+want="$hash $suite"
+if [ -n "${LOOKOUT_TOOLS:-}" ]; then
+  dest=$LOOKOUT_TOOLS/clean-root/$suite
+else
+  dest=${LOOKOUT_CACHE:-$HOME/.cache/mooncake-lookout}/clean-root/$suite-$hash
+fi
 up_to_date() { [ -f "$dest/stamp" ] && [ "$(cat "$dest/stamp")" = "$want" ]; }
 
 case "${1:-}" in
-  -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+  -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
   --path) echo "$dest"; exit 0 ;;
   --check)
     up_to_date && exit 0
@@ -86,11 +91,18 @@ in_root sh -c "cd /opt/lookout/repo && apt-ftparchive packages . >Packages && ap
 echo "${need[*]}" >"$OUT/packages"
 '
 
-mkdir -p "$tools/clean-root"
-rm -rf "$tools/clean-root"/.build.* "$tools/debcache"  # what a killed run left; the test's former download cache
+parent=$(dirname "$dest")
+mkdir -p "$parent"
+exec 9>"$parent/.lock"
+flock 9  # one build at a time on the machine (clones share it); the one that waited finds it built
+if up_to_date; then
+  log "clean $suite root up to date: $dest"
+  exit 0
+fi
+rm -rf "$parent"/.build.*  # what a killed run left
 for try in 1 2; do
   log "clean $suite root and local apt repository (try $try of 2, at most ${try_s}s): $dest"
-  work=$(mktemp -d "$tools/clean-root/.build.XXXXXX")
+  work=$(mktemp -d "$parent/.build.XXXXXX")
   mkdir "$work/root" "$work/out"
   if timeout --foreground -k 10 "$try_s" unshare --mount --propagation private --pid --fork --kill-child \
        bash -c "$build" build "$work/root" "$work/out" "$suite" "$here/scripts/prereqs.sh" "$mirror"; then

@@ -116,7 +116,7 @@ fi
 
 # The offline prerequisite test's clean Debian root and local apt repository: downloaded once, bounded, retried.
 if [ "$(id -u)" -eq 0 ]; then
-  LOOKOUT_TOOLS=$tools bash "$here/scripts/clean-root.sh"
+  bash "$here/scripts/clean-root.sh"  # shared by the clones on this machine (LOOKOUT_CACHE)
 else
   log "not root: the clean Debian root is not built (tests/test_setup_prereqs.py needs root and fails without it)"
 fi

@@ -24,8 +24,6 @@ require_tool         session  ``require_tool(name)``: a binary's path, or a test
 promtool             session  Debian's promtool with the checks several files share (rules, metrics text)
 prometheus_binary    session  the path of Debian's ``prometheus`` (fails the test when missing)
 tiny_model           session  a tiny Llama and tokenizer made with a fixed seed in the engine venv (rigs/tiny_model)
-engine_store         module   a fresh master and a segment owner for real engines in standalone-store mode (their
-                              KV outlives them); yields the master (pass ``rpc_address`` to rigs.engine.Engine)
 """
 
 from __future__ import annotations
@@ -240,13 +238,3 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     return out
-
-
-@pytest.fixture(scope="module")
-def engine_store() -> Iterator[EmbeddedMaster]:
-    """A master of the module's own and a process lending it memory: engines in standalone-store mode save there."""
-    from mooncake_lookout.connector.rigs.segment_owner import SegmentOwner
-
-    # Mooncake's own 10 s key lease: a loaded engine may load a hit more than 500 ms after finding it.
-    with EmbeddedMaster(kv_lease_ttl_ms=10_000) as master, SegmentOwner(master.rpc_address):
-        yield master

@@ -81,7 +81,7 @@ def test_quick_bench_writes_json_table_and_plots(quick_bench: tuple[Path, dict[s
     assert off["stats_records"] == 0 and not off["tracing"]
     assert deployed["stats_records"] > 0 and deployed["tracing"] and d["span_posts"] > 0
     assert d["added"] == pytest.approx(d["deployed_schedule_us"]["mean"] / d["off_schedule_us"]["mean"] - 1)
-    # (i) starts real engines: a quick run of every scenario leaves it out (tests/test_bench_engine.py runs it).
+    # (i) starts real engines: a quick run of every scenario leaves it out (tests/test_engine_modes.py runs it).
     assert [t["id"] for t in results["targets"]] == [t for t in TARGET_IDS if not t.startswith("i")]
     for t in results["targets"]:
         assert {"id", "what", "ours", "ratio", "bound", "met"} <= set(t) and ("upstream" in t or "floor" in t)

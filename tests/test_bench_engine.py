@@ -1,9 +1,6 @@
-"""Bench scenario (i) at its quick size: upstream's and our connector in real ``vllm serve`` engines, in turns.
-
-Not a speed test: it checks that both engines served every request of both workloads, that the store served
-prompt tokens to both (vLLM's own counter), that the lookup-timing hook measured the engine-core thread in both
-(steps and time inside lookup calls, none off that thread) and agrees with ours' own ``scheduler_blocked_seconds``,
-and that the targets i1-i4 are computed from these figures. Needs the engine venv (``scripts/setup-engine.sh``).
+"""Bench scenario (i)'s parts that need no engine: the lookup-timing hook patches vLLM's scheduler (in the engine
+venv, ``scripts/setup-engine.sh``) only when asked, and engines take turns ABBA. Scenario (i) itself runs at its
+quick size on real engines in tests/test_engine_modes.py (beside the other engine tests, on their engines).
 """
 
 from __future__ import annotations
@@ -11,35 +8,9 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-import pytest
-
 from mooncake_lookout.connector.bench import real_engine
-from mooncake_lookout.connector.bench.report import i_block
-from mooncake_lookout.connector.bench.targets import targets
 from mooncake_lookout.connector.rigs import engine_timing
 from mooncake_lookout.connector.rigs.engine import engine_python
-
-pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]  # engines start in 22-59 s; ~4 min on a loaded host
-
-
-@pytest.fixture(scope="module")
-def results() -> dict:
-    return {"i": real_engine.run(real_engine.QUICK, log=print)}
-
-
-def test_targets_i1_to_i4_are_computed_from_the_run(results: dict) -> None:
-    found = {t["id"]: t for t in targets(results)}
-    assert list(found) == ["i1", "i2", "i3", "i4"]
-    (wave,) = results["i"]["waves"]
-    (ours,), upstream = wave["ours"], wave["upstream"]
-    assert found["i1"]["ours"] == ours["hit_tokens"] and found["i1"]["upstream"] == upstream["hit_tokens"]
-    assert found["i4"]["ratio"] == pytest.approx(ours["lookup_us_per_step"] / upstream["lookup_us_per_step"])
-    assert found["i1"]["met"] == (found["i1"]["ratio"] >= 0.99)
-    (per_request,) = found["i4"]["per_request"]
-    assert per_request["ours"] == ours["lookup_us_per_request"] > 0
-    assert found["i2"]["pairs"] == [{"pair": "ours auto / upstream async", "ours": ours["ttft_ms"]["p50"],
-                                     "upstream": upstream["ttft_ms"]["p50"], "ratio": found["i2"]["ratio"]}]
-    assert len(i_block(results)) == 4
 
 
 def test_the_timing_hook_patches_vllms_scheduler_only_when_asked(tmp_path: Path) -> None:

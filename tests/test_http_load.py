@@ -1,6 +1,6 @@
 """The HTTP load of ``demo --engine`` and bench scenario (i), without an engine: the prompts it builds (token ids
 with exact block boundaries, reproducible from the seed), the percentiles it reports and how it reads a
-``/metrics`` page. The engine end of it runs in tests/test_demo_engine.py and tests/test_bench_engine.py.
+``/metrics`` page. The engine end of it runs in tests/test_demo_engine.py and tests/test_engine_modes.py.
 """
 
 from __future__ import annotations

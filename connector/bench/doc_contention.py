@@ -1,34 +1,26 @@
-"""The doc block drawn from the committed contention run (``docs/bench/contention.json``): what a busy host costs a
-lookup, per mode and deadline, and what a stopped store costs the scheduler (scenarios (j) and (e)).
+"""The doc block drawn from the newest committed run with scenarios (j) and (e) (``docs/bench/contention.json``,
+or a whole run ``run-N.json``): what a busy host costs a lookup, per mode and deadline, and what a stopped store
+costs the scheduler.
 
 Why: docs/tuning.md states why ``lookup_timeout_ms: auto`` picks one deadline per mode; the figures behind it come
 from a run anyone can repeat (``mooncake-lookout bench --only e,j --out DIR``, its ``bench.json`` committed as
-``contention.json``), rendered here beside the run's load average, date and commit; ``cli.docs --check`` fails when
-the doc drifts from them.
+``contention.json``, or a whole ``bench`` run), rendered here beside the run's load average, date and commit;
+``cli.docs --check`` fails when the doc drifts from them.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from mooncake_lookout.connector.bench.records import RUNS_DIR, num
+from mooncake_lookout.connector.bench.records import RUNS_DIR, command_of, newest_with, num
 
 CONTENTION_FILE = RUNS_DIR / "contention.json"  # the bench.json of `mooncake-lookout bench --only e,j`
-COMMAND = "mooncake-lookout bench --only e,j --out DIR"
 
 
-def load_contention(root: Path) -> dict[str, Any]:
-    """The committed contention run; ValueError when it is missing or lacks (j) or (e)."""
-    path = root / CONTENTION_FILE
-    if not path.exists():
-        raise ValueError(f"no committed contention run: expected {CONTENTION_FILE} (the bench.json of `{COMMAND}`)")
-    results: dict[str, Any] = json.loads(path.read_text())
-    missing = [k for k in ("machine", "j", "e") if k not in results]
-    if missing:
-        raise ValueError(f"{CONTENTION_FILE} is not a contention run: no {', '.join(missing)} (run `{COMMAND}`)")
-    return results
+def load_contention(root: Path) -> tuple[Path, dict[str, Any]]:
+    """The newest committed run with (j) and (e), and its path; ValueError naming the command when none."""
+    return newest_with(root, ("e", "j"), CONTENTION_FILE)
 
 
 def _ms(us: float | None) -> str:
@@ -56,12 +48,13 @@ def _row(cond: str, v: dict[str, Any], ref: dict[str, Any] | None) -> str:
             f"{_ms(v.get('answered_rpc_p999_us'))} / {_ms(rtt.get('max'))} | {lost} | {breaker} | {hits} |")
 
 
-def render_contention(results: dict[str, Any]) -> str:
+def render_contention(run: tuple[Path, dict[str, Any]]) -> str:
     """(j)'s rows (round trips of answered lookups, lookups without the store's answer, hit tokens against the
     same mode with no deadline) and (e)'s stopped-store lines."""
+    path, results = run
     m, j, e = results["machine"], results["j"], results["e"]
     start, end = m.get("loadavg_at_start") or [None], m.get("loadavg_at_end") or [None]
-    lines = [f"From `{CONTENTION_FILE}` (`{COMMAND}`, {'quick' if results.get('quick') else 'full'}, "
+    lines = [f"From `{path}` (`{command_of(results)} --out DIR`, {'quick' if results.get('quick') else 'full'}, "
              f"{m.get('date', '-')}, commit `{m.get('commit', '-')}`, {m.get('cpus', '-')} CPUs, 1-minute load "
              f"average {num(start[0], 2)} -> {num(end[0], 2)}). (j): {j['steps']:,} steps of "
              f"{j['arrivals_per_step']} new requests, a {num(j['model_step_ms'], 0)} ms model step between "
@@ -91,4 +84,4 @@ def render_contention(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["COMMAND", "CONTENTION_FILE", "load_contention", "render_contention"]
+__all__ = ["CONTENTION_FILE", "load_contention", "render_contention"]

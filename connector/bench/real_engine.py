@@ -171,40 +171,53 @@ def _turns(sides: list[_Side], name: str, rounds: list[list[list[list[int]]]], s
         side.close(name)
 
 
+def timing_env(folder: Path) -> dict[str, str]:
+    """The environment that turns the lookup-timing hook on in an engine, writing to ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    return {"PYTHONPATH": str(engine_timing.FOLDER), engine_timing.ENV: str(folder)}
+
+
+def measure_wave(engines: list[tuple[EngineSpec, Any, Path]], sizes: EngineSizes) -> dict[str, Any]:
+    """Both workloads in turns on engines already serving (upstream's first), each started with
+    :func:`timing_env` of its folder: each engine's figures. Keys apart per engine (``cache_prefix``) and vLLM's
+    own prefix cache off make every reusable prefix the store's to serve (:func:`run_wave` starts them so)."""
+    sides = [_Side(spec, engine, folder) for spec, engine, folder in engines]
+    prefix_tokens = sizes.prefix_blocks * BLOCK_SIZE
+    warm = shared_prefix_jobs(sizes.prefixes, prefixes=sizes.prefixes, prefix_tokens=prefix_tokens,
+                              own_tokens=sizes.own_tokens, seed=SEED)
+    for side in sides:
+        run_load(side.engine.url, warm, clients=1, max_tokens=sizes.max_tokens)
+    jobs = shared_prefix_jobs(sizes.requests, prefixes=sizes.prefixes, prefix_tokens=prefix_tokens,
+                              own_tokens=sizes.own_tokens, seed=SEED + 1)
+    jobs = [[warm[i % sizes.prefixes][0][:prefix_tokens] + job[0][prefix_tokens:]] for i, job in enumerate(jobs)]
+    _turns(sides, "shared_prefix", [jobs[i:i + sizes.chunk] for i in range(0, len(jobs), sizes.chunk)], sizes)
+    conversations = multi_turn_jobs(sizes.conversations, turns=sizes.turns,
+                                    context_tokens=sizes.context_blocks * BLOCK_SIZE,
+                                    turn_tokens=sizes.turn_tokens, seed=SEED + 2)
+    rounds = [[[conv[k]] for conv in conversations] for k in range(sizes.turns)]
+    _turns(sides, "multi_turn", rounds, sizes)
+    upstream, *ours = (side.result() for side in sides)
+    return {"upstream": upstream, "ours": ours}
+
+
 def run_wave(labels: tuple[str, ...], sizes: EngineSizes, model: Path, master_address: str, workdir: Path,
              log: Callable[[str], None]) -> dict[str, Any]:
     """One wave (upstream's engine, then ours) started together, both workloads in turns; each engine's figures."""
     from mooncake_lookout.connector.rigs.engine import start_all, stop_all
 
-    sides = []
+    engines = []
     for label in labels:
         spec = ENGINES[label]
-        timing = workdir / spec.slug
-        timing.mkdir(parents=True, exist_ok=True)
-        env = {"PYTHONPATH": str(engine_timing.FOLDER), engine_timing.ENV: str(timing)}
-        sides.append(_Side(spec, build(spec, model, master_address, f"bench-{spec.slug}", env=env), timing))
+        folder = workdir / spec.slug
+        engines.append((spec, build(spec, model, master_address, f"bench-{spec.slug}", env=timing_env(folder)),
+                        folder))
     try:
         t0 = time.perf_counter()
-        start_all([side.engine for side in sides])
+        start_all([engine for _, engine, _ in engines])
         log(f"  (i) {', '.join(labels)}: ready in {time.perf_counter() - t0:.0f} s")
-        prefix_tokens = sizes.prefix_blocks * BLOCK_SIZE
-        warm = shared_prefix_jobs(sizes.prefixes, prefixes=sizes.prefixes, prefix_tokens=prefix_tokens,
-                                  own_tokens=sizes.own_tokens, seed=SEED)
-        for side in sides:
-            run_load(side.engine.url, warm, clients=1, max_tokens=sizes.max_tokens)
-        jobs = shared_prefix_jobs(sizes.requests, prefixes=sizes.prefixes, prefix_tokens=prefix_tokens,
-                                  own_tokens=sizes.own_tokens, seed=SEED + 1)
-        jobs = [[warm[i % sizes.prefixes][0][:prefix_tokens] + job[0][prefix_tokens:]] for i, job in enumerate(jobs)]
-        _turns(sides, "shared_prefix", [jobs[i:i + sizes.chunk] for i in range(0, len(jobs), sizes.chunk)], sizes)
-        conversations = multi_turn_jobs(sizes.conversations, turns=sizes.turns,
-                                        context_tokens=sizes.context_blocks * BLOCK_SIZE,
-                                        turn_tokens=sizes.turn_tokens, seed=SEED + 2)
-        rounds = [[[conv[k]] for conv in conversations] for k in range(sizes.turns)]
-        _turns(sides, "multi_turn", rounds, sizes)
-        upstream, *ours = (side.result() for side in sides)
-        return {"upstream": upstream, "ours": ours}
+        return measure_wave(engines, sizes)
     finally:
-        stop_all([side.engine for side in sides], remove=True)
+        stop_all([engine for _, engine, _ in engines], remove=True)
 
 
 def run(sizes: EngineSizes, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -220,6 +233,11 @@ def run(sizes: EngineSizes, log: Callable[[str], None] = print) -> dict[str, Any
                      for n, labels in enumerate(sizes.waves)]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    return summary(sizes, waves)
+
+
+def summary(sizes: EngineSizes, waves: list[dict[str, Any]]) -> dict[str, Any]:
+    """Scenario (i)'s results (what ``bench.json`` keeps under ``i``): the sizes and each wave's figures."""
     return {"clients": sizes.clients, "block_size": BLOCK_SIZE,
             "shared_prefix": {"prefixes": sizes.prefixes, "prefix_blocks": sizes.prefix_blocks,
                               "own_tokens": sizes.own_tokens, "requests": sizes.requests, "chunk": sizes.chunk},
@@ -228,4 +246,5 @@ def run(sizes: EngineSizes, log: Callable[[str], None] = print) -> dict[str, Any
             "max_tokens": sizes.max_tokens, "waves": waves}
 
 
-__all__ = ["ENGINES", "FULL", "QUICK", "EngineSizes", "run", "run_wave", "seats"]
+__all__ = ["ENGINES", "FULL", "QUICK", "EngineSizes", "measure_wave", "run", "run_wave", "seats", "summary",
+           "timing_env"]

@@ -98,6 +98,30 @@ def load_soaks(root: Path) -> list[Soak]:
     return [Soak(transport, path, results) for transport, path, results in found]
 
 
+def newest_with(root: Path, scenarios: Sequence[str], own: Path) -> tuple[Path, dict[str, Any]]:
+    """The newest committed run (by its machine's date) that ran every one of ``scenarios``: ``own`` (a run of
+    those alone, ``bench --only``) or a whole run ``run-N.json``. Returns its path from the root and its JSON;
+    ValueError naming both places when none has them."""
+    found = []
+    for path in [own, *(RUNS_DIR / p.name for p in sorted((root / RUNS_DIR).glob("run-*.json")))]:
+        if (root / path).exists():
+            results = json.loads((root / path).read_text())
+            if "machine" in results and all(s in results for s in scenarios):
+                found.append((str(results["machine"].get("date", "")), path, results))
+    if not found:
+        raise ValueError(f"no committed run of scenario {', '.join(scenarios)}: expected {own} (the bench.json of "
+                         f"`mooncake-lookout bench --only {','.join(scenarios)} --out DIR`) or a whole run "
+                         f"{RUNS_DIR}/run-N.json that has it")
+    _, path, results = max(found, key=lambda f: f[0])
+    return path, results
+
+
+def command_of(results: dict[str, Any]) -> str:
+    """The ``bench`` command that wrote ``results``: with ``--only`` when it ran some scenarios alone."""
+    only = results.get("only")
+    return "mooncake-lookout bench" + (f" --only {','.join(only)}" if only else "")
+
+
 def load_demo(root: Path, file: Path = DEMO_FILE) -> str:
     """The committed output of one ``demo`` run, or of ``file`` (README shows its closing table)."""
     path = root / file
@@ -153,4 +177,4 @@ def ordered_union(lists: Iterable[Iterable[str]]) -> list[str]:
 
 
 __all__ = ["DEMO_FILE", "ENGINE_DEMO_FILE", "MISSING", "RUNS_DIR", "RUN_FILE", "SOAK_FILE", "Run", "Soak", "across",
-           "get", "load_demo", "load_runs", "load_soaks", "mode", "num", "ordered_union"]
+           "command_of", "get", "load_demo", "load_runs", "load_soaks", "mode", "newest_with", "num", "ordered_union"]

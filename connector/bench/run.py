@@ -118,7 +118,7 @@ def run_bench(out_dir: str, *, quick: bool = False, only: Sequence[str] | None =
     from mooncake_lookout.connector.bench.plots import write_all
 
     chosen = selected(only)
-    if quick and not only:  # (i) starts real engines (minutes): a quick run leaves it to tests/test_bench_engine.py
+    if quick and not only:  # (i) starts real engines (minutes): a quick run leaves it to tests/test_engine_modes.py
         chosen = tuple(s for s in chosen if s not in ENGINE_SCENARIOS)
     sizes = QUICK if quick else FULL
     t_start = time.perf_counter()

@@ -77,22 +77,26 @@ def mooncake_config(master_address: str, mode: str = "standalone-store") -> dict
 
 
 # The engine's first process: it asks Linux for SIGTERM when the thread that started it dies (a killed test run
-# included), starts the server in its own process group, and on SIGTERM ends that whole group (TERM, then KILL):
-# vLLM's engine core and worker would otherwise outlive an API server killed alone.
+# included), starts the server in its own process group, and on SIGTERM ends that whole group (TERM, then KILL
+# after the grace): vLLM's engine core and worker would otherwise outlive an API server killed alone. The handler
+# only notes the stop; the main loop polls the server, so the group is killed as soon as the server has exited
+# (a handler polling a Popen that the interrupted main thread is waiting on sees it alive for the whole grace).
 _SUPERVISOR = r"""
 import ctypes, os, signal, subprocess, sys, time
 ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
 if os.getppid() != int(sys.argv[1]):
     sys.exit(1)  # the starter died before the request took effect
 server = subprocess.Popen(sys.argv[2:])
+stop_by = []
 def end(*_):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.killpg(0, signal.SIGTERM)
-    end_at = time.monotonic() + float(os.environ.get("LOOKOUT_ENGINE_STOP_S", "20"))
-    while time.monotonic() < end_at and server.poll() is None:
-        time.sleep(0.1)
-    os.killpg(0, signal.SIGKILL)
+    stop_by.append(time.monotonic() + float(os.environ.get("LOOKOUT_ENGINE_STOP_S", "20")))
 signal.signal(signal.SIGTERM, end)
+while server.poll() is None and not (stop_by and time.monotonic() > stop_by[0]):
+    time.sleep(0.05)
+if stop_by:
+    os.killpg(0, signal.SIGKILL)
 sys.exit(server.wait())
 """
 
