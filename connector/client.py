@@ -2,9 +2,11 @@
 
 What the scheduler can count on:
 
-* ``lookup(..., non_block=False)`` never waits past ``lookup_timeout_ms``; ``non_block=True`` waits at most what
-  is left of the step's budget (``lookup_wait_us``, or ``auto``). A lookup *sent* and unanswered by its deadline
-  is a timeout; time in the client's own queue never counts against the deadline or the breaker.
+* ``lookup(..., non_block=False)`` never waits past ``lookup_block_ms``, and a lookup blocks at most once: unanswered
+  by then, it is deferred (``None``, vLLM asks again on a later step) and runs on to its deadline, later calls only
+  reading it, so a slow answer is still a hit. ``non_block=True`` waits at most what is left of the step's budget
+  (``lookup_wait_us``, or ``auto``). A lookup *sent* and unanswered by its deadline (``lookup_timeout_ms``) is a
+  timeout; time in the client's own queue never counts against the deadline or the breaker.
 * A step's lookups travel together: its first call takes in the answers that came (an answer is served first);
   the first call for a pending lookup hands over every lookup started since the last hand-over, and
   :meth:`end_step` the rest. With the socket on this thread (blocking, or a wait budget) a step's first
@@ -67,6 +69,8 @@ class LookupClient(Answers, Reporting):
         self.log: StepLog | None = None  # kept once a reader asks for it (take_log)
         self.sampler: Any = None  # trace_headers -> bool, when spans are on (metrics/tracing.py)
         self._timeout_s = config.timeout_s
+        self._block_s = config.block_s
+        self._defers = config.block_s < config.timeout_s  # a blocking call that ran out of its bound defers
         self._max_pending = config.lookup_max_pending
         self._may_wait = config.lookup_wait_us != 0  # a fixed budget, or auto: calls may wait
         self._open = 0  # lookups submitted and not yet answered to the caller
@@ -134,6 +138,8 @@ class LookupClient(Answers, Reporting):
                     return lk  # served from hold: no store call, no other work
                 self._dropped(lk, why)
                 lk = None
+            elif self._defers and lk.deferrals and not non_block:  # deferred once: later calls only read it
+                non_block = True
         if not non_block or self._may_wait:  # a blocking call, or a wait budget: the general path
             return self._ask(req_id, num_tokens, block_hashes, non_block, trace_headers, now, lk)
         # Async, no wait: the common cases inline (a new lookup, the step's take-in and hand-over, a deferral).
@@ -171,14 +177,14 @@ class LookupClient(Answers, Reporting):
             if lk.t_consume is not None:  # answered at once: refused, or from the prefix cache
                 return lk
         if lk.outcome is None:
-            if not non_block and lk.t_start is None:  # a blocking call's bound caps the lookup's deadline
-                lk.latest = called + self._timeout_s
+            if not non_block and lk.t_start is None and not self._defers:  # a call that cannot defer: its
+                lk.latest = called + self._timeout_s  # bound caps the lookup's deadline
             self._await(lk, non_block, called)
         if lk.outcome is not None:
             return self._serve(lk, non_block, called)
         now = _clock()
         sent = lk.t_start is not None  # read first: the upstream transport's thread may send it meanwhile
-        if non_block and not lk.expired(now) and not self.transport.stuck(lk, now):
+        if (non_block or self._defers) and not lk.expired(now) and not self.transport.stuck(lk, now):
             self._defer(lk)
             return None
         self.transport.forget(lk)
@@ -333,7 +339,7 @@ class LookupClient(Answers, Reporting):
             self.transport.collect()  # its deadline passed since the step's take-in: time it out now
         if lk.outcome is not None:
             return
-        wait = self.budget.left() if non_block else called + self._timeout_s - now
+        wait = self.budget.left() if non_block else called + self._block_s - now
         if lk.deadline is not None:
             wait = min(wait, lk.deadline - now)
         if wait <= 0:

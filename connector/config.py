@@ -26,9 +26,9 @@ UPSTREAM_KEYS = frozenset({"lookup_rpc_port"})
 _META = "lookout_key"  # where a field keeps its meaning, check and rule (dataclasses field metadata)
 
 _T = TypeVar("_T")
-# `lookup_timeout_ms: auto`, per mode (docs/tuning.md, "Deadlines per mode", has the measurements behind them).
-SYNC_TIMEOUT_MS = 100.0  # blocking: the longest the scheduler's step may stall on one lookup
-ASYNC_TIMEOUT_MS = 2000.0  # async: an answer this late still beats a recompute; bounds memory and a dead server
+# What `auto` means (docs/tuning.md, "Deadlines", has the measurements behind them).
+TIMEOUT_MS = 2000.0  # lookup_timeout_ms: an answer this late still beats a recompute; bounds memory and a dead server
+SYNC_BLOCK_MS = 100.0  # lookup_block_ms: the longest one blocking call may stall the scheduler's step
 _FILE_RULE = "'' or a zmq.auth certificate file"
 # CURVE keys that only make sense together: the client's pair of files, the server's.
 _CURVE_PAIRS = (("lookup_curve_server_public_key", "lookup_curve_client_secret_key"),
@@ -84,6 +84,15 @@ def _coerce(key: Key, value: Any) -> Any:
     raise ConfigError(f"kv_connector_extra_config[{key.name!r}] must be {key.accepts}, got {value!r}")
 
 
+def _checked(key: Key, value: Any) -> Any:
+    """``value`` as ``key`` takes it, or :class:`ConfigError` naming the key and what it accepts."""
+    value = _coerce(key, value)
+    if not key.check(value):
+        raise ConfigError(f"kv_connector_extra_config[{key.name!r}] = {value!r} is out of range: it must be "
+                          f"{key.accepts}")
+    return value
+
+
 @dataclass(frozen=True)
 class LookupConfig:
     """Validated lookup settings; build it with :meth:`from_extra_config`, never by hand in production."""
@@ -101,10 +110,15 @@ class LookupConfig:
         lambda v: 0 < v <= 0.9, "> 0 and <= 0.9")
     lookup_timeout_ms: float | str = _key(
         "auto", "deadline of one lookup, from when it is sent (time queued in the client is not the server's); "
-                f"then a miss, counted as a timeout; also bounds a blocking call. `auto`: {SYNC_TIMEOUT_MS:g} ms "
-                f"in blocking mode (it bounds the scheduler's block), {ASYNC_TIMEOUT_MS:g} ms with `lookup_async` "
-                "(it bounds memory and the wait for a dead server; a later answer still beats a recompute: "
-                "docs/tuning.md)",
+                f"then a miss, counted as a timeout. `auto`: {TIMEOUT_MS:g} ms in either mode (it bounds memory and "
+                "the wait for a dead server; a later answer still beats a recompute: docs/tuning.md)",
+        lambda v: v == "auto" or 0 < v <= 60_000, "> 0 and <= 60000 or auto", words=("auto",))
+    lookup_block_ms: float | str = _key(
+        "auto", "blocking mode (`lookup_async: false`): the longest one scheduler call waits for its lookup; "
+                "unanswered by then, the request is put off to a later step (vLLM's `None`, as in async mode) and "
+                "its lookup runs on to `lookup_timeout_ms`, its later calls not waiting at all: a slow answer is "
+                f"still a hit. `auto`: {SYNC_BLOCK_MS:g} ms with `lookup_timeout_ms: auto`; with a deadline set, "
+                "that deadline (a call waits for its answer up to it, then a miss, as before this key)",
         lambda v: v == "auto" or 0 < v <= 60_000, "> 0 and <= 60000 or auto", words=("auto",))
     lookup_max_pending: int = _key(
         1024, "lookups queued or in flight; past it, an admission starts none and a non-blocking ask defers, "
@@ -185,13 +199,12 @@ class LookupConfig:
 
     def __post_init__(self) -> None:
         for key in KEYS:
-            value = _coerce(key, getattr(self, key.name))
-            if not key.check(value):
-                raise ConfigError(f"kv_connector_extra_config[{key.name!r}] = {value!r} is out of range: it must be "
-                                  f"{key.accepts}")
-            object.__setattr__(self, key.name, value)
-        if self.lookup_timeout_ms == "auto":  # resolved once: everything downstream reads a number
-            object.__setattr__(self, "lookup_timeout_ms", ASYNC_TIMEOUT_MS if self.lookup_async else SYNC_TIMEOUT_MS)
+            object.__setattr__(self, key.name, _checked(key, getattr(self, key.name)))
+        if self.lookup_block_ms == "auto":  # resolved once: everything downstream reads a number
+            block = SYNC_BLOCK_MS if self.lookup_timeout_ms == "auto" else float(self.lookup_timeout_ms)
+            object.__setattr__(self, "lookup_block_ms", block)
+        if self.lookup_timeout_ms == "auto":
+            object.__setattr__(self, "lookup_timeout_ms", TIMEOUT_MS)
         self._check_curve()
 
     def _check_curve(self) -> None:
@@ -240,6 +253,11 @@ class LookupConfig:
         return float(self.lookup_timeout_ms) / 1000.0
 
     @property
+    def block_s(self) -> float:
+        """The longest one blocking call waits for its lookup, in seconds (never past the lookup's deadline)."""
+        return min(float(self.lookup_block_ms), float(self.lookup_timeout_ms)) / 1000.0
+
+    @property
     def wait_s(self) -> float | None:
         """The async wait budget per step, in seconds; ``None`` for ``auto``."""
         if isinstance(self.lookup_wait_us, str):
@@ -262,15 +280,24 @@ class LookupConfig:
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> LookupConfig:
         """Parse our keys out of ``kv_connector_extra_config``; unknown ``lookup_*`` keys fail, naming the key."""
         ours: dict[str, Any] = {}
+        wrong: list[str] = []  # every bad key, in one message: a deployment learns them all from one failed start
+        unknown: list[str] = []
         for name, value in (extra or {}).items():
             if not name.startswith(PREFIX) or name in UPSTREAM_KEYS:
                 continue
             if name not in KEYS_BY_NAME:
-                known = ", ".join(sorted(KEYS_BY_NAME))
-                raise ConfigError(
-                    f"unknown key kv_connector_extra_config[{name!r}]; known lookup keys: {known}"
-                )
+                unknown.append(f"unknown key kv_connector_extra_config[{name!r}]")
+                continue
+            try:
+                _checked(KEYS_BY_NAME[name], value)
+            except ConfigError as e:
+                wrong.append(str(e))
+                continue
             ours[name] = value
+        if unknown:
+            wrong.append("; ".join(unknown) + f"; known lookup keys: {', '.join(sorted(KEYS_BY_NAME))}")
+        if wrong:
+            raise ConfigError("; ".join(wrong))
         return cls(**ours)
 
     def as_extra_config(self) -> dict[str, Any]:
@@ -294,4 +321,4 @@ def _keys() -> tuple[Key, ...]:
 KEYS: tuple[Key, ...] = _keys()
 KEYS_BY_NAME: dict[str, Key] = {k.name: k for k in KEYS}
 
-__all__ = ["ASYNC_TIMEOUT_MS", "ConfigError", "KEYS", "KEYS_BY_NAME", "Key", "LookupConfig", "SYNC_TIMEOUT_MS"]
+__all__ = ["ConfigError", "KEYS", "KEYS_BY_NAME", "Key", "LookupConfig", "SYNC_BLOCK_MS", "TIMEOUT_MS"]

@@ -11,7 +11,7 @@ from typing import Any
 
 from grafana_foundation_sdk.builders import dashboard as db
 
-from mooncake_lookout.connector.config import ASYNC_TIMEOUT_MS, KEYS_BY_NAME, SYNC_TIMEOUT_MS
+from mooncake_lookout.connector.config import KEYS_BY_NAME, SYNC_BLOCK_MS, TIMEOUT_MS
 from mooncake_lookout.metrics import catalogue as c
 
 import known_metrics as km
@@ -38,8 +38,9 @@ Read the rows below from left to right: **blocked time** is what every other req
 longer), **deferred steps** is what this request pays (it waits a step even on a miss), **lookup delay** is
 the whole wait from submit to use. Defaults: `lookup_async={KEYS_BY_NAME["lookup_async"].default}`,
 `lookup_wait_us={KEYS_BY_NAME["lookup_wait_us"].default}`, \
-`lookup_timeout_ms={KEYS_BY_NAME["lookup_timeout_ms"].default}` ({SYNC_TIMEOUT_MS:g} ms blocking, \
-{ASYNC_TIMEOUT_MS:g} ms async).
+`lookup_timeout_ms={KEYS_BY_NAME["lookup_timeout_ms"].default}` ({TIMEOUT_MS:g} ms), \
+`lookup_block_ms={KEYS_BY_NAME["lookup_block_ms"].default}` ({SYNC_BLOCK_MS:g} ms: in sync mode a lookup unanswered \
+by then is deferred, as in async mode).
 """
 
 WHAT_TO_CHANGE = """\

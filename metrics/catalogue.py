@@ -130,7 +130,8 @@ LATE_REPLIES = _m("late_replies", "counter", "Replies that came after their look
                   "the server was slow (a reply in time for a lookup nobody waits for any more is not counted).")
 INFO = _m("info", "gauge", "Lookup configuration, value 1.", ("transport", "lookup_async", "mode",
                                                               "lookup_wait_us", "lookup_wait_auto_share",
-                                                              "lookup_timeout_ms", "lookup_max_pending"))
+                                                              "lookup_timeout_ms", "lookup_block_ms",
+                                                              "lookup_max_pending"))
 
 SERVER_REQUESTS = _m("server_requests", "counter",
                      "Lookups the lookup server answered, by status: ok, error (the store failed), busy (the peer, or "

@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from mooncake_lookout.connector.config import TIMEOUT_MS
 from mooncake_lookout.connector.rigs.master import free_port
 from mooncake_lookout.connector.rigs.processes import ChildProcess
 from mooncake_lookout.metrics import catalogue as cat
@@ -147,7 +148,8 @@ def test_sync_costing_a_share_of_every_step_is_advised_async(run_scenario) -> No
                                                                                                      s.table_row)
     assert s.demo_deferred_per_request == 0.0
     _wait_matches_the_rule(s)
-    assert s.key("lookup_timeout_ms")["value"] == 100 and not s.key("lookup_timeout_ms")["changed"]
+    deadline = s.key("lookup_timeout_ms")  # the default, kept (auto: 2 s)
+    assert deadline["value"] == TIMEOUT_MS and not deadline["changed"], deadline
     assert not s.key("lookup_max_pending")["changed"] and not s.key("lookup_max_held")["changed"]
     assert '"lookup_async": true' in s.report and "lookup_async: true" in s.report  # both fragments
 

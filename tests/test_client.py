@@ -193,6 +193,37 @@ def test_stalled_store_answers_a_miss_within_the_deadline_then_recovers(private_
         c.close()
 
 
+def test_a_blocking_call_slower_than_its_bound_defers_and_its_late_answer_is_still_a_hit(private_stack,
+                                                                                          make_hashes) -> None:
+    """Sync mode at the defaults: a store slower than ``lookup_block_ms`` (the master stopped for real, then let go)
+    costs the step at most the block bound, and the request its hit not at all (it failed before ``lookup_block_ms``:
+    the blocking call's deadline was the lookup's, and a slow answer was a timeout, a recompute)."""
+    hashes = make_hashes(4, seed=19)
+    private_stack.index.store_prefixes([hashes])
+    c, counter = make_client(private_stack.server.address)  # sync, lookup_timeout_ms and lookup_block_ms auto
+    block_s = c.config.block_s
+    try:
+        assert c.lookup("warm", 4 * BLOCK + 1, hashes).hit_length == 4 * BLOCK
+        c.discard("warm")
+        private_stack.master.pause()  # SIGSTOP: the store call hangs inside vLLM's server
+        t0 = time.perf_counter()
+        first = c.lookup("slow", 4 * BLOCK + 1, hashes)
+        blocked = time.perf_counter() - t0
+        assert first is None, f"a slow answer ended as {first!r} at the block bound"
+        assert blocked < block_s + 0.05, f"blocked {blocked * 1e3:.1f} ms against a {block_s * 1e3:g} ms bound"
+        time.sleep(3 * block_s)
+        private_stack.master.resume()
+        end = time.monotonic() + c.config.timeout_s + 2
+        while (answer := c.lookup("slow", 4 * BLOCK + 1, hashes)) is None:  # vLLM asks again each step
+            assert time.monotonic() < end, "the late answer never came"
+            time.sleep(0.002)
+        assert answer.hit_length == 4 * BLOCK, answer
+        assert counter.outcomes[Outcome.TIMEOUT] == 0 and counter.outcomes[Outcome.HIT] == 2
+    finally:
+        private_stack.master.resume() if private_stack.master.running else None
+        c.close()
+
+
 def test_server_restarted_with_a_request_in_flight(private_stack, make_hashes) -> None:
     from mooncake_lookout.connector.rigs.vllm_lookup_server import UpstreamLookupServer
 

@@ -7,25 +7,32 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_lookout.connector.config import ASYNC_TIMEOUT_MS, KEYS, SYNC_TIMEOUT_MS, ConfigError, LookupConfig
+from mooncake_lookout.connector.config import KEYS, SYNC_BLOCK_MS, TIMEOUT_MS, ConfigError, LookupConfig
 
 
 def test_defaults_are_upstreams() -> None:
     config = LookupConfig.from_extra_config({})
     assert config.lookup_async is False and config.mode == "sync"
     assert config == LookupConfig()
-    resolved = {**{k.name: k.default for k in KEYS}, "lookup_timeout_ms": SYNC_TIMEOUT_MS}  # auto, blocking mode
+    resolved = {**{k.name: k.default for k in KEYS}, "lookup_timeout_ms": TIMEOUT_MS,  # auto
+                "lookup_block_ms": SYNC_BLOCK_MS}
     assert resolved == dataclasses.asdict(config)
 
 
-def test_the_deadline_defaults_per_mode_and_an_explicit_one_wins() -> None:
-    """`lookup_timeout_ms: auto` (the default) is a short bound in blocking mode, seconds in async (issue 49)."""
-    assert LookupConfig().lookup_timeout_ms == SYNC_TIMEOUT_MS == 100.0
-    assert LookupConfig(lookup_async=True).lookup_timeout_ms == ASYNC_TIMEOUT_MS
-    assert ASYNC_TIMEOUT_MS >= 10 * SYNC_TIMEOUT_MS
+def test_the_deadline_is_seconds_in_either_mode_and_a_blocking_call_a_short_bound() -> None:
+    """`lookup_timeout_ms: auto` is seconds in either mode (a slow answer still beats a recompute: a real engine
+    at load lost hits to a 100 ms deadline); what bounds the scheduler's block is `lookup_block_ms`."""
+    assert LookupConfig().lookup_timeout_ms == LookupConfig(lookup_async=True).lookup_timeout_ms == TIMEOUT_MS
+    assert LookupConfig().block_s == SYNC_BLOCK_MS / 1e3 == 0.1
+    assert TIMEOUT_MS >= 10 * SYNC_BLOCK_MS
     assert LookupConfig.from_extra_config({"lookup_async": True, "lookup_timeout_ms": 250}).timeout_s == 0.25
-    again = LookupConfig.from_extra_config(LookupConfig(lookup_async=True).as_extra_config())
-    assert again.lookup_timeout_ms == ASYNC_TIMEOUT_MS
+    # A deadline set by hand keeps its meaning from before lookup_block_ms: a blocking call waits up to it.
+    for set_by_hand in (40, 5000):
+        assert LookupConfig.from_extra_config({"lookup_timeout_ms": set_by_hand}).block_s == set_by_hand / 1e3
+    assert LookupConfig(lookup_timeout_ms=5000, lookup_block_ms=50).block_s == 0.05
+    assert LookupConfig(lookup_block_ms=500, lookup_timeout_ms=200).block_s == 0.2
+    again = LookupConfig.from_extra_config(LookupConfig().as_extra_config())
+    assert again.lookup_timeout_ms == TIMEOUT_MS and again.lookup_block_ms == SYNC_BLOCK_MS
 
 
 def test_other_connectors_keys_pass_through() -> None:
@@ -52,6 +59,18 @@ def test_other_connectors_keys_pass_through() -> None:
 def test_bad_keys_and_values_name_the_key(extra, named) -> None:
     with pytest.raises(ConfigError, match=named):
         LookupConfig.from_extra_config(extra)
+
+
+def test_every_bad_key_is_named_in_one_line() -> None:
+    """A deployment learns every bad key from one failed start (an engine costs tens of seconds to fail)."""
+    with pytest.raises(ConfigError) as failed:
+        LookupConfig.from_extra_config({"lookup_timeout_msec": 100, "lookup_max_pending": 0, "lookup_async": 1,
+                                        "lookup_wait_us": 50, "lookup_typo": 1})
+    message = str(failed.value)
+    assert "\n" not in message
+    for named in ("lookup_timeout_msec", "lookup_max_pending", "lookup_async", "lookup_typo"):
+        assert f"kv_connector_extra_config[{named!r}]" in message, named
+    assert "lookup_wait_us" not in message.split("known lookup keys")[0]  # a good key is not blamed
 
 
 def test_round_trip_through_extra_config() -> None:

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from mooncake_lookout.connector import wait_budget
-from mooncake_lookout.connector.config import ASYNC_TIMEOUT_MS
+from mooncake_lookout.connector.config import TIMEOUT_MS
 from mooncake_lookout.metrics import catalogue as cat
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -369,7 +369,7 @@ def test_a_bench_cell_holds_one_statistic_one_figure_per_run(doc: str, block: st
 
 # Settings and bounds (not measurements) the prose may name: histogram bounds, auto's margin, default deadlines.
 SETTINGS = {"10 us", "50 us", "100 ms", "200 ms", "5000 ms",  # settings of a test or a default, not measurements
-            f"{ASYNC_TIMEOUT_MS:g} ms"}  # lookup_timeout_ms auto's async deadline
+            f"{TIMEOUT_MS:g} ms"}  # lookup_timeout_ms auto's deadline
 
 
 @pytest.mark.parametrize("name", ["README.md", "docs/store.md", "docs/metrics.md", "docs/security.md",

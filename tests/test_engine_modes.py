@@ -8,8 +8,8 @@ scenario (i) at its quick size, vLLM's reset of the prefix cache wiping the stor
 flow and restarted; and a malformed ``kv_connector_extra_config`` failing the engine at start-up.
 
 Budget (every engine test in about 4 minutes on 2 cores, under 12 GB): two waves of engines, never more than three
-serving at once (~3.2 GB each). Wave A: no connector, ours in sync mode (restarted once), and the two engines given
-a bad config (they fail before serving). Wave B, once wave A has stopped: upstream's connector, ours async and
+serving at once (~3.2 GB each). Wave A: no connector, ours in sync mode (restarted once), and the engine given a
+bad config (it fails before serving). Wave B, once wave A has stopped: upstream's connector, ours async and
 auto, vLLM's own prefix cache off (every reused prefix is the store's to serve, as bench (i) needs). Tests rely on
 the module's order (pytest keeps file order).
 """
@@ -23,19 +23,18 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from mooncake_lookout.connector.bench import real_engine
 from mooncake_lookout.connector.bench.report import i_block
 from mooncake_lookout.connector.bench.targets import targets
 from mooncake_lookout.connector.rigs.engine import LOOKOUT, UPSTREAM, Engine, parse_metrics, start_all, stop_all
 from mooncake_lookout.connector.rigs.master import EmbeddedMaster, read_metrics
+from mooncake_lookout.connector.rigs.otlp_receiver import OtlpReceiver
 from mooncake_lookout.connector.rigs.segment_owner import SegmentOwner
 from mooncake_lookout.metrics.catalogue import (
     CATALOGUE,
@@ -64,10 +63,11 @@ OUR_HIT_TOKENS = HIT_TOKENS.sample_names[0]
 OUR_REQUESTS = REQUESTS.sample_names[0]
 STORE_OP_CALLS = "vllm:mooncake_store_operation_total"  # upstream's (dashboards/known_metrics.py)
 BLOCKED_BUCKET = SCHEDULER_BLOCKED_SECONDS.sample_names[0]
-# Generous deadlines: the per-mode defaults are under review (issue 48); these tests are about hits being used,
-# faults being survived and the deadline being kept, not about the default.
+# Ours in sync mode runs at the defaults (lookup_timeout_ms and lookup_block_ms auto: a call blocks 100 ms at
+# most, then a slow answer is deferred, not lost; on this loaded host some are). The async engines keep a deadline
+# of their own, for the master-kill test's bound on the scheduler's calls.
 TIMEOUT_MS = 3000
-SYNC = {"lookup_async": False, "lookup_transport": "pipelined", "lookup_timeout_ms": TIMEOUT_MS}
+SYNC = {"lookup_async": False, "lookup_transport": "pipelined"}
 ASYNC = {"lookup_async": True, "lookup_transport": "upstream", "lookup_timeout_ms": TIMEOUT_MS}
 AUTO = {"lookup_async": True, "lookup_wait_us": "auto", "lookup_transport": "pipelined",
         "lookup_timeout_ms": TIMEOUT_MS, "lookup_breaker_cooldown_s": 0.5}
@@ -78,8 +78,9 @@ MASTER_LEASE_MS = 10_000  # mooncake_master's default --default_kv_lease_ttl
 # or off; 23 other prompts agree). A tie broken differently on vLLM's connector path, not a load: what the store
 # serves for it reproduces the computing engine's completion exactly (checked below).
 CONNECTOR_PATH_DIFFERS = {"back0"}
-BAD = {"unknown": ({"lookup_timeout_msec": 100}, "lookup_timeout_msec"),
-       "bad-value": ({"lookup_timeout_ms": -5}, "lookup_timeout_ms")}
+# One engine, both kinds of mistake (an unknown key, a bad value): its one error line names each (an engine costs
+# as much to fail as to start, about 40 s of a core: vLLM builds the connector after loading the model).
+BAD = {"lookup_timeout_msec": 100, "lookup_timeout_ms": -5}
 
 
 def prompt(topic: str) -> str:
@@ -177,10 +178,10 @@ def keep_logs(engines: list[Engine], factory: pytest.TempPathFactory, folder: st
 def wave_a(tiny_model: Path, store: tuple[EmbeddedMaster, list[SegmentOwner]],
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Engine]]:
     """The engine with no connector and ours in sync mode (pipelined transport), with vLLM's own prefix cache on
-    (a deployment's default); the engines given a bad config are spawned beside them (they fail before serving)."""
+    (a deployment's default); the engine given a bad config is spawned beside them (it fails before serving)."""
     master, _ = store
-    bad = {name: Engine(tiny_model, connector=LOOKOUT, master_address=master.rpc_address, extra_config=extra,
-                        name=name) for name, (extra, _) in BAD.items()}
+    bad = {"bad": Engine(tiny_model, connector=LOOKOUT, master_address=master.rpc_address, extra_config=BAD,
+                         name="bad")}
     made = {"plain": Engine(tiny_model, connector=None, name="plain"),
             "sync": Engine(tiny_model, connector=LOOKOUT, master_address=master.rpc_address, extra_config=SYNC,
                            name="sync")}
@@ -213,17 +214,14 @@ def test_sync_mode_serves_what_it_saved_from_the_store_after_a_restart_byte_iden
     served_from_store(sync, "other", baselines["other"])
 
 
-@pytest.mark.parametrize("name", list(BAD))
-def test_a_malformed_extra_config_fails_the_engine_at_start_up_naming_the_key(
-        wave_a: dict[str, Engine], name: str) -> None:
-    engine = wave_a[name]
+def test_a_malformed_extra_config_fails_the_engine_at_start_up_naming_each_key(wave_a: dict[str, Engine]) -> None:
+    engine = wave_a["bad"]
     with pytest.raises(RuntimeError, match="before answering /health") as failed:
         engine.wait_ready()  # returns only when /health answers; the exit fails it
     assert "exited with code" in str(failed.value) and "code 0" not in str(failed.value)
-    key = BAD[name][1]
-    lines = [line for line in engine.log_path.read_text(errors="replace").splitlines()
-             if f"kv_connector_extra_config[{key!r}]" in line]
-    assert any("ConfigError" in line for line in lines), lines or engine.log_tail(200)
+    lines = [line for line in engine.log_path.read_text(errors="replace").splitlines() if "ConfigError" in line
+             and all(f"kv_connector_extra_config[{key!r}]" in line for key in BAD)]
+    assert lines, engine.log_tail(200)
 
 
 @pytest.fixture(scope="module")
@@ -306,36 +304,6 @@ TRACING_ENV = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_TRACES_PROTOC
                "OTEL_TRACES_SAMPLER_ARG": "0"}  # only requests sampled by their caller (traceparent flag 01)
 
 
-class OtlpReceiver:
-    """An OTLP/HTTP traces endpoint on 127.0.0.1 that keeps every span it gets: (trace id hex, span name)."""
-
-    def __init__(self) -> None:
-        self.spans: list[tuple[str, str, str]] = []  # trace id, span id, name
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
-                body = ExportTraceServiceRequest.FromString(self.rfile.read(int(self.headers["Content-Length"])))
-                for resource in body.resource_spans:
-                    for scope in resource.scope_spans:
-                        receiver.spans += [(s.trace_id.hex(), s.parent_span_id.hex(), s.name) for s in scope.spans]
-                self.send_response(200)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}/v1/traces"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-
-
 @pytest.fixture(scope="module")
 def otlp() -> Iterator[OtlpReceiver]:
     receiver = OtlpReceiver()
@@ -359,14 +327,15 @@ def test_a_sampled_requests_lookup_span_carries_its_trace_id_beside_vllms_reques
             assert reply.status == 200
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        names = {name for tid, _, name in otlp.spans if tid == trace_id}
+        spans = [(s.trace_id.hex(), s.parent_span_id.hex(), s.name) for _, s in otlp.spans()]
+        names = {name for tid, _, name in spans if tid == trace_id}
         if {"llm_request", SPAN_LOOKUP} <= names:
             break
         time.sleep(0.25)
-    assert {"llm_request", SPAN_LOOKUP} <= names, (names, otlp.spans[-20:], engine.log_tail())
+    assert {"llm_request", SPAN_LOOKUP} <= names, (names, spans[-20:], engine.log_tail())
     # Both are children of the caller's span: ours joins vLLM's request in one trace.
-    assert {p for tid, p, name in otlp.spans if tid == trace_id and name in ("llm_request", SPAN_LOOKUP)} == {parent}
-    assert not [s for s in otlp.spans if s[0] == unsampled and s[2] == SPAN_LOOKUP]
+    assert {p for tid, p, name in spans if tid == trace_id and name in ("llm_request", SPAN_LOOKUP)} == {parent}
+    assert not [s for s in spans if s[0] == unsampled and s[2] == SPAN_LOOKUP]
 
 
 # The lookup panels: queries on what every lookup records (so they have data whenever lookups run).

@@ -110,10 +110,10 @@ def test_master_paused_and_resumed(rig: FaultRig, work: list[Any]) -> None:
 
 
 def test_slow_store_around_the_deadline(rig: FaultRig, work: list[Any]) -> None:
-    """INJECTED delay of 200 ms in the server's store calls: a 100 ms client times out, a 1 s client waits."""
+    """INJECTED delay of 200 ms in the server's store calls: a 100 ms client times out, a 500 ms one waits."""
     counter = OutcomeCounter()
     patient = LookupClient(LookupConfig(**{**rig.config.as_extra_config(), "lookup_timeout_ms": 5 * DELAY_MS,
-                                           "lookup_breaker_failures": 1000}),
+                                           "lookup_block_ms": 5 * DELAY_MS, "lookup_breaker_failures": 1000}),
                            make_transport(rig.config, rig.server.address), observer=counter)
     rig.server.set_delay(True)
     try:

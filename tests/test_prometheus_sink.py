@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from mooncake_lookout.connector.cli.docs import end_marker, extract, render_metrics_table, splice, start_marker
-from mooncake_lookout.connector.config import ASYNC_TIMEOUT_MS, LookupConfig
+from mooncake_lookout.connector.config import SYNC_BLOCK_MS, TIMEOUT_MS, LookupConfig
 from mooncake_lookout.connector.events import LookupRecord, ObserverSet, Outcome
 from mooncake_lookout.metrics import catalogue as cat
 from mooncake_lookout.metrics.exporter import serve_metrics
@@ -97,8 +97,8 @@ def test_every_event_lands_in_its_family(registry: CollectorRegistry) -> None:
     obs.breaker_changed(False)
     assert _value(registry, cat.BREAKER_OPEN) == 0
     assert _value(registry, cat.INFO, transport="pipelined", lookup_async="true", mode="async", lookup_wait_us="0",
-                  lookup_wait_auto_share="0.25", lookup_timeout_ms=f"{ASYNC_TIMEOUT_MS:g}",
-                  lookup_max_pending="1024") == 1
+                  lookup_wait_auto_share="0.25", lookup_timeout_ms=f"{TIMEOUT_MS:g}",
+                  lookup_block_ms=f"{SYNC_BLOCK_MS:g}", lookup_max_pending="1024") == 1
     assert _value(registry, cat.MAX_PENDING) == 1024
     assert _value(registry, cat.MAX_HELD) == 16384
     obs.step_ended(0.0004, 7, 120)  # the first step: no interval yet

@@ -6,16 +6,15 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
 from mooncake_lookout.connector.events import LookupRecord, ObserverSet, Outcome
+from mooncake_lookout.connector.rigs.otlp_receiver import OtlpReceiver
 from mooncake_lookout.metrics import tracing
 from mooncake_lookout.metrics.tracing import (
     ATTR_DEFERRED_STEPS,
@@ -266,50 +265,8 @@ def test_grpc_without_its_exporter_turns_tracing_off_with_a_message(
     assert "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL" in caplog.text
 
 
-class _OtlpReceiver:
-    """A tiny OTLP/HTTP trace receiver on 127.0.0.1: decodes each POSTed ExportTraceServiceRequest."""
-
-    def __init__(self) -> None:
-        self.requests: list[ExportTraceServiceRequest] = []
-        self.paths: list[str] = []
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                msg = ExportTraceServiceRequest()
-                msg.ParseFromString(body)
-                receiver.paths.append(self.path)
-                receiver.requests.append(msg)
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.end_headers()
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def spans(self) -> list[tuple[str, object]]:
-        """(service name, span) for every span received so far."""
-        out = []
-        for req in list(self.requests):
-            for rs in req.resource_spans:
-                service = next(a.value.string_value for a in rs.resource.attributes if a.key == "service.name")
-                out.extend((service, span) for ss in rs.scope_spans for span in ss.spans)
-        return out
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(5)
-
-
 def test_spans_reach_an_otlp_http_receiver(clean_otel_env: pytest.MonkeyPatch) -> None:
-    receiver = _OtlpReceiver()
+    receiver = OtlpReceiver()
     try:
         clean_otel_env.setenv("OTEL_TRACES_EXPORTER", "otlp")
         clean_otel_env.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
@@ -408,7 +365,7 @@ def test_vllm_request_trace_headers_parent_the_lookup_span(clean_otel_env: pytes
     from mooncake_lookout.connector.rigs.scheduler_driver import SchedulerDriver, make_vllm_config
     from mooncake_lookout.connector.server import LookupServer
 
-    receiver = _OtlpReceiver()
+    receiver = OtlpReceiver()
     try:
         clean_otel_env.setenv("OTEL_TRACES_EXPORTER", "otlp")
         clean_otel_env.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")

@@ -16,7 +16,7 @@ from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from mooncake_lookout.connector.client import LookupClient
-from mooncake_lookout.connector.config import ASYNC_TIMEOUT_MS, LookupConfig
+from mooncake_lookout.connector.config import SYNC_BLOCK_MS, TIMEOUT_MS, LookupConfig
 from mooncake_lookout.connector.lookup import Outcome
 from mooncake_lookout.connector.transport import make_transport
 from mooncake_lookout.metrics import catalogue as cat
@@ -331,8 +331,8 @@ def test_scheduler_stats_reach_vllm_prometheus_logger(prefix_index: Any, lookup_
     assert value(cat.SCHEDULER_BLOCKED_SECONDS, "_count", mode="async") >= len(prompts)
     assert value(cat.DEFERRED_STEPS, "_sum") == value(cat.DEFERRALS, "_total")
     assert value(cat.INFO, transport="pipelined", lookup_async="true", mode="async", lookup_wait_us="0",
-                 lookup_wait_auto_share="0.25", lookup_timeout_ms=f"{ASYNC_TIMEOUT_MS:g}",
-                 lookup_max_pending="1024") == 1
+                 lookup_wait_auto_share="0.25", lookup_timeout_ms=f"{TIMEOUT_MS:g}",
+                 lookup_block_ms=f"{SYNC_BLOCK_MS:g}", lookup_max_pending="1024") == 1
     # Step intervals (what advise divides lookup time by) travel in the records made when lookups end: one per
     # scheduler step after the first, up to the step of the last answer.
     assert value(cat.STEP_INTERVAL_SECONDS, "_count") >= value(cat.DEFERRALS, "_total") / len(prompts) > 0

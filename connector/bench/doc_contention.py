@@ -2,10 +2,10 @@
 or a whole run ``run-N.json``): what a busy host costs a lookup, per mode and deadline, and what a stopped store
 costs the scheduler.
 
-Why: docs/tuning.md states why ``lookup_timeout_ms: auto`` picks one deadline per mode; the figures behind it come
-from a run anyone can repeat (``mooncake-lookout bench --only e,j --out DIR``, its ``bench.json`` committed as
-``contention.json``, or a whole ``bench`` run), rendered here beside the run's load average, date and commit;
-``cli.docs --check`` fails when the doc drifts from them.
+Why: docs/tuning.md states why ``lookup_timeout_ms: auto`` and ``lookup_block_ms: auto`` pick what they pick; the
+figures come from a run anyone can repeat (``mooncake-lookout bench --only e,j --out DIR``, its ``bench.json``
+committed as ``contention.json``, or a whole ``bench`` run), rendered here beside the run's load average, date and
+commit; ``cli.docs --check`` fails when the doc drifts from them.
 """
 
 from __future__ import annotations

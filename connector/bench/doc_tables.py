@@ -222,9 +222,10 @@ def render_guarantees(runs: Sequence[Run]) -> str:
 
     rows = [
         ["blocking call (`lookup_async: false`)",
-         "returns by `lookup_timeout_ms` after the call: it waits for its answer at most that long, then answers a "
-         "miss counted as `timeout` (if the store was wiped while the answer was on its way, it asks once more, "
-         "within the same bound)",
+         "returns by `lookup_block_ms` after the call: it waits for its answer at most that long, then defers the "
+         "request (`None`) and later calls only read the answer, until `lookup_timeout_ms` makes it a miss counted as "
+         "`timeout` (if the store was wiped while the answer was on its way, it asks once more, within the same "
+         "bound). The figures here are at `lookup_timeout_ms` = `lookup_block_ms` = 100 ms: a miss at the bound",
          f"store stopped (scenario e): longest blocking call {across(runs, _stopped_ours_ms, 1, 'ms')} at a "
          f"{_deadline_ms(runs)} ms deadline (vLLM's client: {_upstream_stopped(runs)}); healthy store, {c}, "
          f"`ours sync`: {tail('ours sync')}"],

@@ -79,6 +79,7 @@ class InForce:
     lookup_wait_us: int | str | None  # None: the exporter predates the label
     auto_share: float
     timeout_ms: float
+    block_ms: float  # sync mode: the longest one call blocks (past it the request is deferred)
     max_pending: int
 
     @classmethod
@@ -89,12 +90,14 @@ class InForce:
 
         wait = labels.get("lookup_wait_us")
         is_async = labels.get("lookup_async", "false") == "true"
-        timeout = labels.get("lookup_timeout_ms") or LookupConfig(lookup_async=is_async).lookup_timeout_ms  # auto
+        auto = LookupConfig(lookup_async=is_async)
+        timeout = float(labels.get("lookup_timeout_ms") or auto.lookup_timeout_ms)
+        block = min(float(labels.get("lookup_block_ms") or auto.lookup_block_ms), timeout)  # absent: an older exporter
         return cls(mode=labels.get("mode", "?"), transport=labels.get("transport", key("lookup_transport")),
                    lookup_async=is_async,
                    lookup_wait_us=None if wait is None else (wait if wait == "auto" else int(float(wait))),
                    auto_share=float(labels.get("lookup_wait_auto_share", key("lookup_wait_auto_share"))),
-                   timeout_ms=float(timeout),
+                   timeout_ms=timeout, block_ms=block,
                    max_pending=int(float(labels.get("lookup_max_pending", key("lookup_max_pending")))))
 
 
@@ -214,8 +217,8 @@ def decide_async(f: Figures, c: Costs, now: InForce) -> Advice:
     if c.failing:
         return Advice("lookup_async", True, False, f"the store failed or stalled ({c.failing_share:.1%} of lookups "
                       f"ended in timeout/error/breaker{', the breaker opened' if f.breaker_opened else ''}): in "
-                      f"sync mode each of them blocks the scheduler up to lookup_timeout_ms "
-                      f"({now.timeout_ms:g} ms)", figures)
+                      f"sync mode each of them blocks the scheduler up to lookup_block_ms "
+                      f"({now.block_ms:g} ms)", figures)
     if c.blocked_share >= SYNC_SHARE:
         return Advice("lookup_async", True, False, f"sync blocks the scheduler {_ms(c.blocked_per_step_s)} of "
                       f"every {_ms(c.step_s)} step interval ({c.blocked_share:.1%} >= {SYNC_SHARE:.0%}): every request "

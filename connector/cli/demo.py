@@ -120,7 +120,7 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--budget-us", type=int, default=200, metavar="US",
                    help="lookup_wait_us of --mode budget (default 200)")
     p.add_argument("--timeout-ms", type=float, default=None, metavar="MS",
-                   help="lookup_timeout_ms of our modes (default: the connector's auto, per mode)")
+                   help="lookup_timeout_ms of our modes (default: the connector's auto)")
     p.add_argument("--model-step-ms", type=float, default=1.5, metavar="MS",
                    help="time a model step takes, between two scheduler steps (default 1.5)")
     p.add_argument("--engine", action="store_true", help="real vllm serve engines on CPU instead (vLLM's CPU build "

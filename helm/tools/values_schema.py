@@ -32,6 +32,7 @@ LOOKUP_LIMITS: dict[str, dict[str, Any]] = {
     "lookup_wait_us": {"minimum": 0, "maximum": 100_000},
     "lookup_wait_auto_share": {"exclusiveMinimum": 0, "maximum": 0.9},
     "lookup_timeout_ms": {"exclusiveMinimum": 0, "maximum": 60_000},
+    "lookup_block_ms": {"exclusiveMinimum": 0, "maximum": 60_000},
     "lookup_max_pending": {"minimum": 1, "maximum": 1_000_000},
     "lookup_max_held": {"minimum": 1, "maximum": 10_000_000},
     "lookup_answer_ttl_ms": {"exclusiveMinimum": 0, "maximum": 3_600_000},
