@@ -8,8 +8,9 @@ scenario (i) at its quick size, vLLM's reset of the prefix cache wiping the stor
 flow and restarted; and a malformed ``kv_connector_extra_config`` failing the engine at start-up.
 
 Budget (every engine test in about 4 minutes on 2 cores, under 12 GB): two waves of engines, never more than three
-serving at once (~3.2 GB each). Wave A: no connector, ours in sync mode (restarted once), and the engine given a
-bad config (it fails before serving). Wave B, once wave A has stopped: upstream's connector, ours async and
+serving at once (~3.2 GB each). Wave A: no connector, ours in sync mode (restarted once, beside the start of wave
+B's first engine, once the engine with no connector has stopped), and the engine given a bad config (it fails
+before serving). Wave B, once wave A has stopped: upstream's connector, ours async and
 auto, vLLM's own prefix cache off (every reused prefix is the store's to serve, as bench (i) needs). Tests rely on
 the module's order (pytest keeps file order).
 """
@@ -197,7 +198,7 @@ def wave_a(tiny_model: Path, store: tuple[EmbeddedMaster, list[SegmentOwner]],
 
 def test_sync_mode_serves_what_it_saved_from_the_store_after_a_restart_byte_identical(
         wave_a: dict[str, Engine], store: tuple[EmbeddedMaster, list[SegmentOwner]],
-        baselines: dict[str, str]) -> None:
+        baselines: dict[str, str], request: pytest.FixtureRequest) -> None:
     """Ours in sync mode computes a prompt (an empty store: no hit) and saves it; restarted (its own prefix cache
     gone with it), it serves the prompt from the store, byte-identical to the engine with no connector."""
     master, _ = store
@@ -209,8 +210,13 @@ def test_sync_mode_serves_what_it_saved_from_the_store_after_a_restart_byte_iden
     assert text(sync.complete(PROMPTS["other"])) == baselines["other"]
     assert sync.metric(EXTERNAL_HITS) == 0 and sync.metric(OUR_REQUESTS, outcome="hit") == 0, sync.log_tail()
     wait_keys(master, 0)
+    # An engine starts in a chain of processes, a core at a time: wave B's first engine starts beside the restart
+    # (the engine with no connector is done: still two engines at most).
+    plain.stop()
     sync.stop()
-    sync.start()
+    sync.spawn()
+    request.getfixturevalue("upstream")
+    sync.wait_ready()
     served_from_store(sync, "other", baselines["other"])
 
 
@@ -230,9 +236,28 @@ def timing(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("engine-timing")
 
 
+NO_PREFIX_CACHE = ("--no-enable-prefix-caching",)  # wave B: every reused prefix is the store's to serve
+
+
+@pytest.fixture(scope="module")
+def upstream(tiny_model: Path, store: tuple[EmbeddedMaster, list[SegmentOwner]], timing: Path,
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    """Wave B's engine with upstream's connector, spawned (not waited for) as soon as it is asked for: the wave A
+    test asks during its restart; :func:`wave_b` waits for it."""
+    master, _ = store
+    engine = Engine(tiny_model, connector=UPSTREAM, master_address=master.rpc_address,
+                    extra_config={"lookup_async": True}, name="upstream", extra_args=NO_PREFIX_CACHE,
+                    env=real_engine.timing_env(timing / "upstream")).spawn()
+    try:
+        yield engine
+    finally:
+        engine.stop()
+        keep_logs([engine], tmp_path_factory, "engine-logs-upstream")
+
+
 @pytest.fixture(scope="module")
 def wave_b(tiny_model: Path, store: tuple[EmbeddedMaster, list[SegmentOwner]], otlp: OtlpReceiver,
-           wave_a: dict[str, Engine], timing: Path,
+           wave_a: dict[str, Engine], timing: Path, upstream: Engine,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Engine]]:
     """Upstream's connector (async lookups), ours in async mode (upstream transport) and in auto mode (pipelined),
     started once wave A has stopped, with vLLM's own prefix cache off and vLLM's dev endpoints on (for
@@ -240,21 +265,17 @@ def wave_b(tiny_model: Path, store: tuple[EmbeddedMaster, list[SegmentOwner]], o
     both over OTLP/HTTP); upstream's and auto run bench (i)'s lookup-timing hook (``timing`` folders)."""
     master, _ = store
     stop_all(wave_a.values())  # at most three engines alive: wave A's fixture keeps their logs at the module's end
-    no_cache = ("--no-enable-prefix-caching",)
-    made = {"upstream": Engine(tiny_model, connector=UPSTREAM, master_address=master.rpc_address,
-                               extra_config={"lookup_async": True}, name="upstream", extra_args=no_cache,
-                               env=real_engine.timing_env(timing / "upstream")),
-            "async": Engine(tiny_model, connector=LOOKOUT, master_address=master.rpc_address, extra_config=ASYNC,
+    made = {"async": Engine(tiny_model, connector=LOOKOUT, master_address=master.rpc_address, extra_config=ASYNC,
                             name="async", env={"VLLM_SERVER_DEV_MODE": "1", **TRACING_ENV},
-                            extra_args=("--otlp-traces-endpoint", otlp.endpoint, *no_cache)),
+                            extra_args=("--otlp-traces-endpoint", otlp.endpoint, *NO_PREFIX_CACHE)),
             "auto": Engine(tiny_model, connector=LOOKOUT, master_address=master.rpc_address, extra_config=AUTO,
-                           name="auto", extra_args=no_cache,
+                           name="auto", extra_args=NO_PREFIX_CACHE,
                            env={"VLLM_SERVER_DEV_MODE": "1", **real_engine.timing_env(timing / "auto")})}
     try:
-        start_all(made.values())
-        yield made
+        start_all([upstream, *made.values()])  # upstream's may be up already (spawned during wave A's restart)
+        yield {"upstream": upstream, **made}
     finally:
-        stop_all(made.values())
+        stop_all(made.values())  # upstream's: its own fixture stops it
         keep_logs(list(made.values()), tmp_path_factory, "engine-logs-b")
 
 

@@ -147,6 +147,7 @@ def record_first_run(root: Path = CHECKOUT, scratch: Path | None = None) -> int:
     m = machine()
     with _scratch_clone(root, scratch, "lookout-first-run-") as (clone, scratch, env):
         env["PIP_CACHE_DIR"] = str(scratch / "pip-cache")  # an empty cache, as on a new machine
+        env["LOOKOUT_CACHE"] = str(scratch / "lookout-cache")  # no shared venv yet, as on a new machine
         run = run_demo_script(clone, env)
         if run["code"] != 0:
             print("\n".join(run["lines"][-30:]), file=sys.stderr)
@@ -156,7 +157,7 @@ def record_first_run(root: Path = CHECKOUT, scratch: Path | None = None) -> int:
         m["commit"] = commit(clone)  # what was measured: the clone's HEAD
         result = {"command": demo_command(), "machine": {**m, "loadavg_at_end": load_average()},
                   "setup_s": run["setup_s"], "total_s": run["total_s"], "wheels": count, "wheel_bytes": wheel_bytes,
-                  "venv_bytes": _tree_bytes(clone / ".venv")}
+                  "venv_bytes": _tree_bytes(clone / ".venv") + _tree_bytes(scratch / "lookout-cache")}
     (root / FIRST_RUN_FILE).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {FIRST_RUN_FILE}")
     return 0
