@@ -64,10 +64,17 @@ def engine_python(root: Path = ROOT) -> Path:
 
 
 def vllm_cache_root() -> Path:
-    """vLLM's cache folder for every engine of the engine venv. Why shared: vLLM inspects the model's class in a
-    subprocess that imports vLLM again (about 11 s of a core, a quarter of an engine's start) unless its cache holds
-    the answer (keyed by the model module's hash, written atomically: safe to share between running engines)."""
-    return engine_python().parent.parent / "vllm-cache"
+    """vLLM's cache folder for every engine of the engine venv, in the venv the clones share when there is one
+    (``.lookout-shared`` names its site-packages: scripts/setup-engine.sh). Why shared: vLLM inspects the model's
+    class in a subprocess that imports vLLM again (about 11 s of a core, a quarter of an engine's start) unless its
+    cache holds the answer (keyed by the model module's hash, written atomically: safe between running engines)."""
+    venv = engine_python().parent.parent
+    try:
+        site = Path((venv / ".lookout-shared").read_text().strip())
+        venv = next(p for p in site.parents if (p / "pyvenv.cfg").exists())
+    except (OSError, StopIteration):
+        pass
+    return venv / "vllm-cache"
 
 
 def kv_transfer_config(connector: str, extra: dict[str, Any] | None = None) -> str:
