@@ -71,7 +71,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="smaller runs (a few minutes)")
     p.add_argument("--only", metavar="IDS", default="",
                    help="run only these scenarios, comma-separated, among a, a4, backends, b, c, d, e, f, f-load, g, "
-                        "j, h (e.g. --only h or --only f,f-load); the targets they decide are judged")
+                        "j, h, i (i: real vllm serve engines, left out of --quick without --only) (e.g. --only h or "
+                        "--only f,f-load); the targets they decide are judged")
     p.add_argument("--out", default="out", help="folder for bench.json, bench.txt and *.png (default out)")
     mine = p.add_argument_group("your own deployment (read-only: existence checks only)")
     mine.add_argument("--master", metavar="HOST:PORT", help="your Mooncake master's RPC address")
