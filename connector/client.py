@@ -138,7 +138,7 @@ class LookupClient(Answers, Reporting):
                     return lk  # served from hold: no store call, no other work
                 self._dropped(lk, why)
                 lk = None
-            elif self._defers and lk.deferrals and not non_block:  # deferred once: later calls only read it
+            elif not non_block and self._defers and lk.deferrals:  # deferred once: later calls only read it
                 non_block = True
         if not non_block or self._may_wait:  # a blocking call, or a wait budget: the general path
             return self._ask(req_id, num_tokens, block_hashes, non_block, trace_headers, now, lk)

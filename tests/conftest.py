@@ -47,9 +47,10 @@ from mooncake_lookout.connector.server.prefix_index import PrefixIndex
 from mooncake_lookout.connector.server.store import open_writer_store
 from mooncake_lookout.metrics.catalogue import PREFIX
 
-# dashboards/ and helm/tools/ are folders of scripts, not packages: their tests import them by module name.
+# dashboards/ and helm/tools/ are folders of scripts, not packages: their tests import them by module name, as they
+# import the tests' own helpers (tests/otlp_receiver.py).
 _ROOT = Path(__file__).resolve().parents[1]
-for _scripts in (_ROOT / "dashboards", _ROOT / "helm" / "tools"):
+for _scripts in (_ROOT / "dashboards", _ROOT / "helm" / "tools", _ROOT / "tests"):
     if str(_scripts) not in sys.path:
         sys.path.insert(0, str(_scripts))
 

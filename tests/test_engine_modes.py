@@ -35,7 +35,6 @@ from mooncake_lookout.connector.bench.report import i_block
 from mooncake_lookout.connector.bench.targets import targets
 from mooncake_lookout.connector.rigs.engine import LOOKOUT, UPSTREAM, Engine, parse_metrics, start_all, stop_all
 from mooncake_lookout.connector.rigs.master import EmbeddedMaster, read_metrics
-from mooncake_lookout.connector.rigs.otlp_receiver import OtlpReceiver
 from mooncake_lookout.connector.rigs.segment_owner import SegmentOwner
 from mooncake_lookout.metrics.catalogue import (
     CATALOGUE,
@@ -54,6 +53,7 @@ import generate  # noqa: E402 (dashboards/ is a folder of scripts: conftest puts
 import lint  # noqa: E402
 from live_queries import all_values, run_exprs, run_queries  # noqa: E402
 from live_stack import JOBS, RATE_INTERVAL, Prometheus  # noqa: E402
+from otlp_receiver import OtlpReceiver  # noqa: E402 - tests/ (conftest puts it on sys.path)
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1500)]
 

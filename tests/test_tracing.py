@@ -14,7 +14,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from mooncake_lookout.connector.events import LookupRecord, ObserverSet, Outcome
-from mooncake_lookout.connector.rigs.otlp_receiver import OtlpReceiver
 from mooncake_lookout.metrics import tracing
 from mooncake_lookout.metrics.tracing import (
     ATTR_DEFERRED_STEPS,
@@ -28,6 +27,8 @@ from mooncake_lookout.metrics.tracing import (
     TracingObserver,
     hash_request_id,
 )
+
+from otlp_receiver import OtlpReceiver  # tests/ (conftest puts it on sys.path)
 
 pytestmark = pytest.mark.timed  # bounds a time: runs alone (scripts/test.sh)
 

@@ -8,7 +8,6 @@ Everything here is real and local (real parts, not mocks), started and stopped b
 * :mod:`.server_process`: :class:`~.server_process.ServerProcess`, lookup servers (ours, vLLM's or both)
   in a child process that can be killed, hung and restarted on the same address;
 * :mod:`.faults`: the one injected fault, a slow but healthy store;
-* :mod:`.otlp_receiver`: :class:`~.otlp_receiver.OtlpReceiver`, an OTLP/HTTP traces endpoint that keeps what it gets;
 * :mod:`.soak`: :class:`~.soak.FaultRig` and :func:`~.soak.run_soak`, the lookup path under random real faults;
 * :mod:`.machine`: the machine, load average, date, commit and versions a measurement ran with;
 * :mod:`.scheduler_driver`: vLLM's real V1 scheduler on CPU, stepped by hand;

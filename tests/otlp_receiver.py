@@ -1,4 +1,5 @@
-"""An OTLP/HTTP traces endpoint on 127.0.0.1 that keeps what it is sent: where spans really arrive in a test.
+"""An OTLP/HTTP traces endpoint on 127.0.0.1 that keeps what it is sent: where spans really arrive in a test (a
+helper of tests/, which conftest puts on sys.path: in the package only metrics/ imports opentelemetry).
 
 Why: the tracing tests export through the real OTLP/HTTP exporter (ours, and vLLM's own with
 ``--otlp-traces-endpoint``), so the check is what reaches a collector, decoded from the wire.
