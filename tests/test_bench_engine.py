@@ -27,3 +27,30 @@ def test_the_timing_hook_patches_vllms_scheduler_only_when_asked(tmp_path: Path)
 def test_engines_of_a_wave_take_turns_forwards_then_backwards() -> None:
     assert [real_engine.seats(2, k) for k in range(4)] == [[0, 1], [1, 0], [0, 1], [1, 0]]  # ABBA
     assert [real_engine.seats(3, k) for k in range(2)] == [[0, 1, 2], [2, 1, 0]]
+
+
+def test_round_trips_read_ours_rpc_histogram_from_a_real_metrics_page() -> None:
+    """(i) reports ours' lookup round trips from the engine's page (what ``lookup_timeout_ms: auto`` is chosen
+    from): a real prometheus_client page served on loopback, scraped twice, the deltas read."""
+    from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+    from mooncake_lookout.connector.bench.http_load import delta, scrape
+    from mooncake_lookout.metrics.catalogue import LATE_REPLIES, RPC_SECONDS
+
+    registry = CollectorRegistry()
+    rpc = Histogram(RPC_SECONDS.name, "round trips", buckets=RPC_SECONDS.buckets, registry=registry)
+    late = Counter(LATE_REPLIES.name, "late replies", registry=registry)
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        rpc.observe(9.0)  # before the workload: not counted
+        before = scrape(url)
+        for seconds in [0.002] * 98 + [0.3, 1.7]:
+            rpc.observe(seconds)
+        late.inc(2)
+        trips = real_engine.round_trips([delta(scrape(url), before)])
+    finally:
+        server.shutdown()
+        thread.join(timeout=10)
+    assert trips == {"lookups": 100, "p50_le_ms": 2.5, "p99_le_ms": 500.0, "max_le_ms": 2500.0, "late_replies": 2}
+    assert real_engine.round_trips([{}])["p50_le_ms"] is None

@@ -18,6 +18,7 @@ the module's order (pytest keeps file order).
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import shutil
 import threading
@@ -167,6 +168,17 @@ def served_from_store(engine: Engine, name: str, baseline: str) -> int:
     return hit
 
 
+def thread_cpus(pid: int) -> dict[int, set[int]]:
+    """The CPUs each live thread of ``pid`` may run on (threads that end meanwhile are skipped)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else ():
+        try:
+            out[int(tid)] = os.sched_getaffinity(int(tid))
+        except OSError:
+            continue
+    return out
+
+
 def keep_logs(engines: list[Engine], factory: pytest.TempPathFactory, folder: str) -> None:
     """Copy the engines' logs under pytest's basetemp (kept for the last runs), then delete their folders."""
     keep = factory.mktemp(folder)
@@ -203,6 +215,13 @@ def test_sync_mode_serves_what_it_saved_from_the_store_after_a_restart_byte_iden
     gone with it), it serves the prompt from the store, byte-identical to the engine with no connector."""
     master, _ = store
     plain, sync = wave_a["plain"], wave_a["sync"]
+    # Engines sharing the host are placed by the OS: no process or thread of theirs is held to one core (vLLM's
+    # CPU default pinned every worker's threads to core 0, engine.py).
+    everywhere = os.sched_getaffinity(0)
+    for engine in (plain, sync):
+        held = {(pid, tid): cpus for pid in engine.pids() for tid, cpus in thread_cpus(pid).items()
+                if cpus != everywhere}
+        assert not held, (engine.name, held)
     for name, p in PROMPTS.items():
         baselines[name] = text(plain.complete(p))
     # The control: greedy output follows the prompt, so identical text says the loaded KV is the right one.
@@ -450,7 +469,10 @@ def test_bench_scenario_i_measures_upstreams_connector_and_ours_on_these_engines
     assert per_request["ours"] == ours["lookup_us_per_request"] > 0
     assert found["i2"]["pairs"] == [{"pair": "ours auto / upstream async", "ours": ours["ttft_ms"]["p50"],
                                      "upstream": upstream["ttft_ms"]["p50"], "ratio": found["i2"]["ratio"]}]
-    assert len(i_block(results)) == 4
+    trip = ours["round_trip"]  # ours' own rpc_seconds, what lookup_timeout_ms: auto is chosen from
+    assert trip["lookups"] > 0 and 0 < trip["p50_le_ms"] <= trip["p99_le_ms"] <= trip["max_le_ms"], trip
+    assert "round_trip" not in upstream
+    assert len(i_block(results)) == 5 and "ours auto p50 <=" in i_block(results)[-1]
 
 
 def reset_prefix_cache(engine: Engine, timeout_s: float = 60.0) -> None:

@@ -42,6 +42,7 @@ from mooncake_lookout.connector.bench.http_load import (
 from mooncake_lookout.connector.bench.turns import abba_seat
 from mooncake_lookout.connector.rigs import engine_timing
 from mooncake_lookout.connector.rigs.engine_specs import BLOCK_SIZE, LOOKOUT, UPSTREAM, EngineSpec, build, make_model
+from mooncake_lookout.metrics.catalogue import LATE_REPLIES, REQUESTS, RPC_SECONDS, SCHEDULER_BLOCKED_SECONDS
 
 ENGINES: dict[str, EngineSpec] = {s.label: s for s in (
     EngineSpec("upstream sync", UPSTREAM, {"lookup_async": False}),
@@ -52,8 +53,10 @@ ENGINES: dict[str, EngineSpec] = {s.label: s for s in (
 HITS = "vllm:external_prefix_cache_hits_total"
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 SUCCESS = "vllm:request_success_total"
-BLOCKED_SUM = "vllm:mooncake_lookup_scheduler_blocked_seconds_sum"
-OURS_LOOKUPS = "vllm:mooncake_lookup_requests_total"
+BLOCKED_SUM = SCHEDULER_BLOCKED_SECONDS.name + "_sum"
+OURS_LOOKUPS = REQUESTS.sample_names[0]
+RPC_BUCKET = RPC_SECONDS.sample_names[0]
+LATE_REPLY_COUNT = LATE_REPLIES.sample_names[0]
 SEED = 7
 
 
@@ -141,6 +144,8 @@ class _Side:
             for k in sums:
                 sums[k] += w[k]
         steps = sums["steps"] or None
+        if spec.ours:
+            out["round_trip"] = round_trips(list(self.counts.values()))
         out.update(requests=every.requests, failed=len(every.failures),
                    ttft_ms={"p50": every.percentile_ms(50), "p99": every.percentile_ms(99)},
                    hit_tokens=sums["hit_tokens"], prompt_tokens=sums["prompt_tokens"], steps=sums["steps"],
@@ -150,6 +155,28 @@ class _Side:
                    exported_blocked_us_per_step=(1e6 * sums["exported_blocked_s"] / steps
                                                  if spec.ours and steps else None))
         return out
+
+
+def round_trips(pages: list[dict[str, float]]) -> dict[str, Any]:
+    """Ours' lookup round trips (send to answer, or to the deadline) over ``pages`` (scrape deltas): the bucket
+    bounds holding the median, the 99th percentile and the longest, in ms, and the late replies. What
+    ``lookup_timeout_ms: auto`` is chosen from: a deadline below the longest answered round trip turns that
+    hit into a recompute."""
+    buckets: dict[float, float] = {}
+    late = 0.0
+    for page in pages:
+        for le, count in by_label(page, RPC_BUCKET, "le").items():
+            buckets[float(le)] = buckets.get(float(le), 0.0) + count
+        late += total(page, LATE_REPLY_COUNT) or 0.0
+    bounds = sorted(buckets)
+    n = buckets.get(float("inf"), 0.0)
+
+    def bound(share: float) -> float | None:
+        want = share * n
+        return next((1e3 * le for le in bounds if buckets[le] >= want), None) if n else None
+
+    return {"lookups": n, "p50_le_ms": bound(0.5), "p99_le_ms": bound(0.99), "max_le_ms": bound(1.0),
+            "late_replies": late}
 
 
 def seats(n: int, k: int) -> list[int]:
@@ -246,5 +273,5 @@ def summary(sizes: EngineSizes, waves: list[dict[str, Any]]) -> dict[str, Any]:
             "max_tokens": sizes.max_tokens, "waves": waves}
 
 
-__all__ = ["ENGINES", "FULL", "QUICK", "EngineSizes", "measure_wave", "run", "run_wave", "seats", "summary",
-           "timing_env"]
+__all__ = ["ENGINES", "FULL", "QUICK", "EngineSizes", "measure_wave", "round_trips", "run", "run_wave", "seats",
+           "summary", "timing_env"]

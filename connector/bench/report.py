@@ -321,6 +321,11 @@ def i_block(r: dict[str, Any]) -> list[str]:
                          f"{e['steps']:6.0f} {fmt(e.get('lookup_us_per_request')):>13} {fmt(e['ready_s'], 0):>7}"
                          f"  {seen}"
                          + (f"  ({e['failed']} failed)" if e["failed"] else ""))
+    trips = [(e["label"], e["round_trip"]) for wave in i["waves"] for e in wave["ours"] if e.get("round_trip")]
+    if trips:
+        lines.append("  ours' lookup round trips (send to answer, or to the deadline), bucket bounds: " + "; ".join(
+            f"{label} p50 <= {fmt(t['p50_le_ms'])} ms, p99 <= {fmt(t['p99_le_ms'])}, longest <= "
+            f"{fmt(t['max_le_ms'])}, {t['late_replies']:.0f} late" for label, t in trips))
     return lines
 
 

@@ -83,7 +83,7 @@ class Sizes:
 
 
 QUICK = Sizes(100, 256, 1, 100, 20, 2.0, (BUDGET_US,), 6, long_prompts.QUICK, long_prompts.QUICK_ROUNDS,
-              long_prompts.QUICK_LOAD, 1, 200, 5, multi_turn.QUICK, False, fleet.QUICK, 150, real_engine.QUICK)
+              long_prompts.QUICK_LOAD, 1, 200, 5, multi_turn.QUICK, False, fleet.QUICK, 50, real_engine.QUICK)
 FULL = Sizes(1000, 256, 5, 600, 100, 5.0, (BUDGET_US, 500, 1000), 100, long_prompts.FULL, long_prompts.FULL_ROUNDS,
              long_prompts.FULL_LOAD, 4, overhead.STEPS, 30, multi_turn.FULL, True, fleet.FULL, 1500, real_engine.FULL)
 

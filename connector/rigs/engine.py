@@ -168,6 +168,10 @@ class Engine:
             raise RuntimeError(f"{self.name} is not running")
         return self._proc.pid
 
+    def pids(self) -> list[int]:
+        """Every live process of the engine's group (supervisor, API server, engine core, worker, helpers)."""
+        return _group_pids(self.pid)
+
     @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
@@ -196,6 +200,11 @@ class Engine:
                "DO_NOT_TRACK": "1"}
         for key in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"):  # the test venv's own, not the engine's
             env.pop(key, None)
+        # Several engines share this host: vLLM's CPU default (auto) binds each worker's OpenMP threads, and the
+        # worker's own thread (and every thread it starts: the lookup server, the store's) stays on the first core
+        # of its list, the same core 0 in every engine. Measured: engines starting together used one core of two
+        # for 30 s at a time, and lookup servers went silent for seconds under (i)'s load. The OS places them.
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         env["LOOKOUT_ENGINE_STOP_S"] = "20"
         if self.master_address is not None:
             path = self.workdir / "mooncake.json"
