@@ -5,6 +5,7 @@ quick size on real engines in tests/test_engine_modes.py (beside the other engin
 
 from __future__ import annotations
 
+import collections
 import subprocess
 from pathlib import Path
 
@@ -26,7 +27,15 @@ def test_the_timing_hook_patches_vllms_scheduler_only_when_asked(tmp_path: Path)
 
 def test_engines_of_a_wave_take_turns_forwards_then_backwards() -> None:
     assert [real_engine.seats(2, k) for k in range(4)] == [[0, 1], [1, 0], [0, 1], [1, 0]]  # ABBA
-    assert [real_engine.seats(3, k) for k in range(2)] == [[0, 1, 2], [2, 1, 0]]
+    for n in (2, 3, 4, 5):  # every engine in every seat, after every other engine, equally often
+        rows = [real_engine.seats(n, k) for k in range(len(real_engine.williams_rows(n)))]
+        assert all(sorted(row) == list(range(n)) for row in rows)
+        seat_counts = {(row[i], i) for row in rows for i in range(n)}
+        assert len(seat_counts) == n * n and len(rows) % n == 0
+        follows = collections.Counter((a, b) for row in rows for a, b in zip(row, row[1:]))
+        assert set(follows) == {(a, b) for a in range(n) for b in range(n) if a != b}
+        assert len(set(follows.values())) == 1, (n, follows)
+    assert real_engine.seats(3, 6) == real_engine.seats(3, 0) != real_engine.seats(3, 1)
 
 
 def test_round_trips_read_ours_rpc_histogram_from_a_real_metrics_page() -> None:

@@ -179,11 +179,27 @@ def round_trips(pages: list[dict[str, float]]) -> dict[str, Any]:
             "late_replies": late}
 
 
+def williams_rows(n: int) -> list[list[int]]:
+    """A Williams design for ``n`` engines: orders in which every engine takes every seat, and follows every other
+    engine, equally often (ABBA for two). Why: an engine's turn carries what the one before it left running (its
+    saves, its freed memory); "forwards, then backwards" leaves the middle one of three always after another
+    engine and never after itself (measured: its TTFT p50 1.2-1.5 times the others' where alone it matched)."""
+    base, low, high = [0], 1, n - 1
+    while len(base) < n:
+        base.append(low)
+        low += 1
+        if len(base) < n:
+            base.append(high)
+            high -= 1
+    rows = [[(seat + r) % n for seat in base] for r in range(n)]
+    return rows + [row[::-1] for row in rows] if n % 2 else rows
+
+
 def seats(n: int, k: int) -> list[int]:
-    """The order the ``n`` engines of a wave take round ``k``: forwards, then backwards (ABBA for two: A B, B A,
-    A B, ...; each engine leads as often as it closes, so the machine's drift hits all alike)."""
-    order = list(range(n))
-    return order if abba_seat(2 * k) == 0 else order[::-1]
+    """The order the ``n`` engines of a wave take round ``k``: the rows of :func:`williams_rows` in turn (for two,
+    A B, B A, A B, ...)."""
+    rows = williams_rows(n)
+    return rows[k % len(rows)]
 
 
 def _turns(sides: list[_Side], name: str, rounds: list[list[list[list[int]]]], sizes: EngineSizes) -> None:
@@ -274,4 +290,4 @@ def summary(sizes: EngineSizes, waves: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 __all__ = ["ENGINES", "FULL", "QUICK", "EngineSizes", "measure_wave", "round_trips", "run", "run_wave", "seats",
-           "summary", "timing_env"]
+           "summary", "timing_env", "williams_rows"]
