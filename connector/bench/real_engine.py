@@ -3,8 +3,9 @@
 Why: every other scenario drives vLLM's scheduler or the lookup path by hand. This one runs where users run
 it: two engines (API server, engine core, worker) of vLLM's CPU build on one Mooncake master, one with upstream's
 ``MooncakeStoreConnector`` and one with ours, each with its own keys (``cache_prefix``), alive together. The same
-requests go to both in turns, ABBA (:func:`~.turns.abba_seat`: the machine's speed drifts over seconds, so
-neither connector gets the quiet spells): first a shared-prefix workload (the prefixes warmed into the store,
+requests go to each in turns (:func:`seats`: ABBA for two, a Williams design for three; the machine's speed
+drifts over seconds and an engine's turn carries what the one before it left running, so neither connector gets
+the quiet spells): first a shared-prefix workload (the prefixes warmed into the store,
 then chunks of requests from several concurrent clients), then a multi-turn one (conversations whose every turn
 extends the previous turn's prompt, one round of turns at a time). vLLM's own prefix cache is off, so every
 reusable prefix is the store's to serve.
@@ -39,7 +40,6 @@ from mooncake_lookout.connector.bench.http_load import (
     shared_prefix_jobs,
     total,
 )
-from mooncake_lookout.connector.bench.turns import abba_seat
 from mooncake_lookout.connector.rigs import engine_timing
 from mooncake_lookout.connector.rigs.engine_specs import BLOCK_SIZE, LOOKOUT, UPSTREAM, EngineSpec, build, make_model
 from mooncake_lookout.metrics.catalogue import LATE_REPLIES, REQUESTS, RPC_SECONDS, SCHEDULER_BLOCKED_SECONDS

@@ -303,7 +303,7 @@ def i_block(r: dict[str, Any]) -> list[str]:
     """Scenario (i): real engines, one line per engine of each wave (upstream's first)."""
     i = r["i"]
     sp, mt = i["shared_prefix"], i["multi_turn"]
-    lines = [f"(i) real vllm serve engines on CPU, ours and upstream's in turns (ABBA), {i['clients']} concurrent "
+    lines = [f"(i) real vllm serve engines on CPU, ours and upstream's taking turns, {i['clients']} concurrent "
              f"clients: shared-prefix ({sp['requests']} requests, {sp['prefixes']} prefixes of {sp['prefix_blocks']} "
              f"blocks) then multi-turn ({mt['conversations']} conversations x {mt['turns']} turns)",
              f"  {'engine':15} {'requests':>8} {'TTFT p50':>8} {'p99 ms':>8} {'store hits':>10} {'of prompt':>9} "

@@ -246,7 +246,7 @@ def _i_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     """i1-i4: real engines, each of ours / the upstream engine of its wave; each judged at its worst pair."""
     pairs = {f"{o['label']} / {w['upstream']['label']}": {"ours": o, "upstream": w["upstream"]}
              for w in r["i"]["waves"] for o in w["ours"]}
-    where = "real vllm serve engines on CPU, both workloads over HTTP, ABBA turns"
+    where = "real vllm serve engines on CPU, both workloads over HTTP, in turns"
     out = []
     for id_, what, figure, unit, at_least in (
             ("i1", "prompt tokens served from the store", lambda e: e["hit_tokens"], "tokens", 0.99),
