@@ -17,7 +17,9 @@ by :mod:`~..rigs.engine_timing` (a ``sitecustomize`` on the engines' ``PYTHONPAT
 times ``get_num_new_matched_tokens`` and ``on_new_request`` and counts ``schedule`` calls, changing nothing);
 ours' own ``scheduler_blocked_seconds`` is kept beside it as a check. Waves (engines alive together, at most
 three): both blocking (the defaults), then upstream's async beside ours async and ours with the wait budget
-``auto``; each of ours is compared with the upstream engine of its wave.
+``auto``; each of ours is compared with the upstream engine of its wave. At full size a last wave runs three
+identical engines (upstream's async, ``twins``): how far apart engines with nothing between them land in one run
+is printed beside each ratio, the noise floor it is read against.
 """
 
 from __future__ import annotations
@@ -77,13 +79,16 @@ class EngineSizes:
     context_blocks: int
     turn_tokens: int
     max_tokens: int = 8
+    # Identical engines (a label, how many) in a wave of their own, after the others: how far apart engines with
+    # nothing between them land in one run, the noise floor the ratios are read against. None: no such wave.
+    twins: tuple[str, int] | None = None
 
 
 QUICK = EngineSizes((("upstream async", "ours auto"),), clients=3, prefixes=3, prefix_blocks=4, own_tokens=40,
                     requests=24, chunk=8, conversations=3, turns=3, context_blocks=4, turn_tokens=64)
 FULL = EngineSizes((("upstream sync", "ours sync"), ("upstream async", "ours async", "ours auto")), clients=4,
                    prefixes=4, prefix_blocks=6, own_tokens=40, requests=192, chunk=16, conversations=6, turns=6,
-                   context_blocks=4, turn_tokens=64)
+                   context_blocks=4, turn_tokens=64, twins=("upstream async", 3))
 
 
 class _Side:
@@ -243,28 +248,34 @@ def measure_wave(engines: list[tuple[EngineSpec, Any, Path]], sizes: EngineSizes
     return {"upstream": upstream, "ours": ours}
 
 
-def run_wave(labels: tuple[str, ...], sizes: EngineSizes, model: Path, master_address: str, workdir: Path,
+def run_wave(specs: list[EngineSpec], sizes: EngineSizes, model: Path, master_address: str, workdir: Path,
              log: Callable[[str], None]) -> dict[str, Any]:
     """One wave (upstream's engine, then ours) started together, both workloads in turns; each engine's figures."""
     from mooncake_lookout.connector.rigs.engine import start_all, stop_all
 
     engines = []
-    for label in labels:
-        spec = ENGINES[label]
+    for spec in specs:
         folder = workdir / spec.slug
         engines.append((spec, build(spec, model, master_address, f"bench-{spec.slug}", env=timing_env(folder)),
                         folder))
     try:
         t0 = time.perf_counter()
         start_all([engine for _, engine, _ in engines])
-        log(f"  (i) {', '.join(labels)}: ready in {time.perf_counter() - t0:.0f} s")
+        log(f"  (i) {', '.join(spec.label for spec in specs)}: ready in {time.perf_counter() - t0:.0f} s")
         return measure_wave(engines, sizes)
     finally:
         stop_all([engine for _, engine, _ in engines], remove=True)
 
 
+def twin_specs(label: str, n: int) -> list[EngineSpec]:
+    """``n`` engines of the same connector and settings as ``label``'s, told apart by a letter (keys apart too)."""
+    spec = ENGINES[label]
+    return [EngineSpec(f"{label} {chr(ord('A') + k)}", spec.connector, spec.extra) for k in range(n)]
+
+
 def run(sizes: EngineSizes, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Scenario (i): a master, a tiny model, then each wave of ``sizes`` (engines of :data:`ENGINES`); the results."""
+    """Scenario (i): a master, a tiny model, then each wave of ``sizes`` (engines of :data:`ENGINES`) and the
+    twins' wave; the results."""
     from mooncake_lookout.connector.rigs.master import MOONCAKE_LEASE_MS, EmbeddedMaster
 
     workdir = Path(tempfile.mkdtemp(prefix="lookout-bench-i-"))
@@ -272,22 +283,28 @@ def run(sizes: EngineSizes, log: Callable[[str], None] = print) -> dict[str, Any
         model = make_model(workdir / "model")
         with EmbeddedMaster(kv_lease_ttl_ms=MOONCAKE_LEASE_MS) as master:
             master.start()
-            waves = [run_wave(labels, sizes, model, master.rpc_address, workdir / f"wave-{n}", log)
-                     for n, labels in enumerate(sizes.waves)]
+            waves = [run_wave([ENGINES[label] for label in labels], sizes, model, master.rpc_address,
+                              workdir / f"wave-{n}", log) for n, labels in enumerate(sizes.waves)]
+            twins = None
+            if sizes.twins is not None:
+                wave = run_wave(twin_specs(*sizes.twins), sizes, model, master.rpc_address, workdir / "twins", log)
+                twins = [wave["upstream"], *wave["ours"]]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    return summary(sizes, waves)
+    return summary(sizes, waves, twins)
 
 
-def summary(sizes: EngineSizes, waves: list[dict[str, Any]]) -> dict[str, Any]:
-    """Scenario (i)'s results (what ``bench.json`` keeps under ``i``): the sizes and each wave's figures."""
+def summary(sizes: EngineSizes, waves: list[dict[str, Any]],
+            twins: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Scenario (i)'s results (what ``bench.json`` keeps under ``i``): the sizes, each wave's figures and the
+    identical engines' (``twins``, when run)."""
     return {"clients": sizes.clients, "block_size": BLOCK_SIZE,
             "shared_prefix": {"prefixes": sizes.prefixes, "prefix_blocks": sizes.prefix_blocks,
                               "own_tokens": sizes.own_tokens, "requests": sizes.requests, "chunk": sizes.chunk},
             "multi_turn": {"conversations": sizes.conversations, "turns": sizes.turns,
                            "context_blocks": sizes.context_blocks, "turn_tokens": sizes.turn_tokens},
-            "max_tokens": sizes.max_tokens, "waves": waves}
+            "max_tokens": sizes.max_tokens, "waves": waves, **({"twins": twins} if twins else {})}
 
 
 __all__ = ["ENGINES", "FULL", "QUICK", "EngineSizes", "measure_wave", "round_trips", "run", "run_wave", "seats",
-           "summary", "timing_env", "williams_rows"]
+           "summary", "timing_env", "twin_specs", "williams_rows"]

@@ -308,8 +308,8 @@ def i_block(r: dict[str, Any]) -> list[str]:
              f"blocks) then multi-turn ({mt['conversations']} conversations x {mt['turns']} turns)",
              f"  {'engine':15} {'requests':>8} {'TTFT p50':>8} {'p99 ms':>8} {'store hits':>10} {'of prompt':>9} "
              f"{'lookup/step us':>14} {'(own metric)':>12} {'steps':>6} {'lookup/req us':>13} {'ready s':>7}  lookups"]
-    for wave in i["waves"]:
-        for e in (wave["upstream"], *wave["ours"]):
+    for wave in [*i["waves"], {"upstream": None, "ours": i.get("twins") or []}]:
+        for e in [x for x in (wave["upstream"], *wave["ours"]) if x is not None]:
             lookups = {}
             for w in e["workloads"].values():
                 for k, v in (w.get("lookups") or {}).items():
@@ -345,6 +345,11 @@ def targets_block(entries: list[dict[str, Any]]) -> list[str]:
             lines.append(f"       beside it, mean schedule() per step: ours {fmt(sch['ours'])} vs "
                          f"{fmt(sch['upstream'])} us, "
                          f"ratio {fmt(sch['ratio'], 2)}")
+        if "same_engines" in t:
+            same = t["same_engines"]
+            lines.append(f"       beside it, {len(same['engines'])} identical engines of the same run "
+                         f"({', '.join(same['engines'])}): " + ", ".join(fmt(f, 2) for f in same["figures"])
+                         + f" {t['unit']}, largest / smallest {fmt(same['spread'], 2)}")
         for key, what in (("pairs", "each pair"), ("per_request", "beside it, per request served, us")):
             if key in t:
                 lines.append(f"       {what}: " + "; ".join(f"{p['pair']} {fmt(p['ours'], 2)} vs "

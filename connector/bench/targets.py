@@ -266,6 +266,11 @@ def _i_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         if at_least:
             entry["met"] = worst_ratio is not None and worst_ratio >= at_least
         entry["pairs"] = each
+        twins = r["i"].get("twins")
+        if twins:  # identical engines of one run: how far apart nothing but chance puts them
+            figures = [figure(e) for e in twins]
+            spread = ratio_of(max(figures), min(figures)) if None not in figures else None
+            entry["same_engines"] = {"engines": [e["label"] for e in twins], "figures": figures, "spread": spread}
         if id_ == "i4":  # the same time per request served: steps differ between engines (how vLLM loops)
             entry["per_request"] = [{"pair": name, "ours": p["ours"].get("lookup_us_per_request"),
                                      "upstream": p["upstream"].get("lookup_us_per_request"),
