@@ -29,7 +29,7 @@ def test_the_timing_hook_patches_vllms_scheduler_only_when_asked(tmp_path: Path)
     assert off.stdout.split() == ["schedule"], off.stderr[-2000:]
 
 
-def test_engines_of_a_wave_take_turns_forwards_then_backwards() -> None:
+def test_engines_of_a_wave_take_every_seat_and_follow_every_other_equally_often() -> None:
     assert [real_engine.seats(2, k) for k in range(4)] == [[0, 1], [1, 0], [0, 1], [1, 0]]  # ABBA
     for n in (2, 3, 4, 5):  # every engine in every seat, after every other engine, equally often
         rows = [real_engine.seats(n, k) for k in range(len(real_engine.williams_rows(n)))]
