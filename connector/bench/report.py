@@ -308,20 +308,20 @@ def i_block(r: dict[str, Any]) -> list[str]:
              f"blocks) then multi-turn ({mt['conversations']} conversations x {mt['turns']} turns)",
              f"  {'engine':15} {'requests':>8} {'TTFT p50':>8} {'p99 ms':>8} {'store hits':>10} {'of prompt':>9} "
              f"{'lookup/step us':>14} {'(own metric)':>12} {'steps':>6} {'lookup/req us':>13} {'ready s':>7}  lookups"]
-    for wave in [*i["waves"], {"upstream": None, "ours": i.get("twins") or []}]:
-        for e in [x for x in (wave["upstream"], *wave["ours"]) if x is not None]:
-            lookups = {}
-            for w in e["workloads"].values():
-                for k, v in (w.get("lookups") or {}).items():
-                    lookups[k] = lookups.get(k, 0) + v
-            seen = " ".join(f"{k} {v:.0f}" for k, v in sorted(lookups.items()) if v) if e["ours"] else "-"
-            lines.append(f"  {e['label']:15} {e['requests']:8d} {fmt(e['ttft_ms']['p50']):>8} "
-                         f"{fmt(e['ttft_ms']['p99']):>8} {e['hit_tokens']:10.0f} {e['prompt_tokens']:9.0f} "
-                         f"{fmt(e['lookup_us_per_step']):>14} {fmt(e['exported_blocked_us_per_step']):>12} "
-                         f"{e['steps']:6.0f} {fmt(e.get('lookup_us_per_request')):>13} {fmt(e['ready_s'], 0):>7}"
-                         f"  {seen}"
-                         + (f"  ({e['failed']} failed)" if e["failed"] else ""))
-    trips = [(e["label"], e["round_trip"]) for wave in i["waves"] for e in wave["ours"] if e.get("round_trip")]
+    engines = [e for wave in i["waves"] for e in (wave["upstream"], *wave["ours"])] + i.get("twins", [])
+    for e in engines:
+        lookups = {}
+        for w in e["workloads"].values():
+            for k, v in (w.get("lookups") or {}).items():
+                lookups[k] = lookups.get(k, 0) + v
+        seen = " ".join(f"{k} {v:.0f}" for k, v in sorted(lookups.items()) if v) if e["ours"] else "-"
+        lines.append(f"  {e['label']:15} {e['requests']:8d} {fmt(e['ttft_ms']['p50']):>8} "
+                     f"{fmt(e['ttft_ms']['p99']):>8} {e['hit_tokens']:10.0f} {e['prompt_tokens']:9.0f} "
+                     f"{fmt(e['lookup_us_per_step']):>14} {fmt(e['exported_blocked_us_per_step']):>12} "
+                     f"{e['steps']:6.0f} {fmt(e.get('lookup_us_per_request')):>13} {fmt(e['ready_s'], 0):>7}"
+                     f"  {seen}"
+                     + (f"  ({e['failed']} failed)" if e["failed"] else ""))
+    trips = [(e["label"], e["round_trip"]) for e in engines if e.get("round_trip")]  # ours only
     if trips:
         lines.append("  ours' lookup round trips (send to answer, or to the deadline), bucket bounds: " + "; ".join(
             f"{label} p50 <= {fmt(t['p50_le_ms'])} ms, p99 <= {fmt(t['p99_le_ms'])}, longest <= "
